@@ -1,0 +1,1 @@
+"""megatron_lite: a compact Megatron-style training framework."""

@@ -1,0 +1,1 @@
+"""Megatron core equivalents: parallel state, tensor/pipeline/data parallelism, models, optimizer."""

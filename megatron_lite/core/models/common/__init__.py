@@ -1,0 +1,1 @@
+"""Modules shared by models."""

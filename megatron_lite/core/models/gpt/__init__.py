@@ -1,0 +1,5 @@
+"""GPT model."""
+
+from megatron_lite.core.models.gpt.gpt_model import GPTModel
+
+__all__ = ["GPTModel"]

@@ -1,0 +1,106 @@
+"""GPTModel: the part of a GPT that one pipeline stage holds."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_lite.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron_lite.core.process_groups_config import ProcessGroupCollection
+from megatron_lite.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
+from megatron_lite.core.transformer.transformer_block import TransformerBlock
+from megatron_lite.core.transformer.transformer_config import TransformerConfig
+from megatron_lite.core.utils import init_method_normal, seeded_init
+
+
+class GPTModel(nn.Module):
+    """Embedding on the first stage (``pre_process``), this stage's layers, and on the last stage
+    (``post_process``) the final LayerNorm, the output layer and the loss.
+
+    With tied embeddings and more than one stage, the last stage holds its own copy of the word
+    embedding (``output_layer.weight``, marked ``shared_embedding``) whose gradient is all-reduced
+    with the first stage's over the embedding group, as Megatron does.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        share_embeddings_and_output_weights: bool = True,
+        seed: int = 1234,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__()
+        self.config = config
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.vocab_size = vocab_size
+        self.tp_group = pg_collection.tp if pg_collection is not None else None
+        pp_group = pg_collection.pp if pg_collection is not None else None
+        pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
+        self.input_tensor: torch.Tensor | None = None
+
+        if pre_process:
+            with seeded_init(seed, "embedding"):
+                self.embedding = LanguageModelEmbedding(
+                    config, vocab_size, max_sequence_length, self.tp_group
+                )
+        self.decoder = TransformerBlock(
+            config, pp_rank=pp_rank, post_process=post_process, seed=seed, tp_group=self.tp_group
+        )
+        if post_process:
+            tied_elsewhere = share_embeddings_and_output_weights and pre_process
+            # The same seed key as the embedding gives the last stage an identical copy of it.
+            with seeded_init(seed, "embedding" if share_embeddings_and_output_weights else "output"):
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size,
+                    vocab_size,
+                    config=config,
+                    init_method=init_method_normal(config.init_method_std),
+                    bias=False,
+                    skip_weight_param_allocation=tied_elsewhere,
+                    tp_group=self.tp_group,
+                )
+            if share_embeddings_and_output_weights and not pre_process:
+                self.output_layer.weight.shared = True
+                self.output_layer.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Give a non-first stage the activation received from the previous stage."""
+        if isinstance(input_tensor, list):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ):
+        """Returns the hidden states [s, b, h] on a non-last stage; on the last stage the per-token
+        loss [b, s] when ``labels`` are given, else the vocab-parallel logits [s, b, v/tp]."""
+        hidden = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
+        hidden = self.decoder(hidden)
+        if not self.post_process:
+            return hidden
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits, _ = self.output_layer(hidden, weight=weight)
+        if labels is None:
+            return logits
+        # labels [b, s] -> [s, b] to match the logits, then back to [b, s].
+        return vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1).contiguous(), self.tp_group
+        ).transpose(0, 1)

@@ -1,0 +1,31 @@
+"""Global gradient-norm computation and clipping across model-parallel ranks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def get_grad_norm_fp32(grads: list[torch.Tensor], model_parallel_group=None) -> float:
+    """L2 norm of ``grads`` over all model-parallel ranks. Collective over ``model_parallel_group``.
+
+    ``grads`` must hold each logical parameter once: callers drop tensor-parallel duplicates and the
+    last stage's copy of a tied embedding.
+    """
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:
+        total += g.detach().double().pow(2).sum()
+    if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
+        dist.all_reduce(total, group=model_parallel_group)
+    return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
+
+
+def clip_grad_by_total_norm_fp32(grads: list[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """Scale ``grads`` in place so their global norm is at most ``max_norm``."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for g in grads:
+            g.mul_(coeff)

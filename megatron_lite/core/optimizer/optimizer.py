@@ -1,0 +1,94 @@
+"""MegatronOptimizer: AdamW over fp32 master weights with global-norm clipping.
+
+Gradients come from DDP's fp32 ``main_grad`` buffers. With bf16 parameters the optimizer keeps fp32
+master copies and its state in fp32, and copies the updated masters back into the bf16 parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig
+from megatron_lite.core.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
+
+
+class MegatronOptimizer:
+    def __init__(self, config: OptimizerConfig, model_chunks, *, model_parallel_group=None, tp_group=None):
+        self.config = config
+        self.model_parallel_group = model_parallel_group
+        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        self.params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
+        # fp32 parameters are their own masters; low-precision ones get fp32 copies.
+        self.masters = [
+            p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in self.params
+        ]
+        decay, no_decay = [], []
+        for p, m in zip(self.params, self.masters):
+            (no_decay if p.ndim < 2 else decay).append(m)
+        groups = [
+            {"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return torch.tensor(1.0)
+
+    def _grads_for_norm(self) -> list[torch.Tensor]:
+        return [
+            m.grad
+            for p, m in zip(self.params, self.masters)
+            if not getattr(p, "shared", False) and param_is_not_tensor_parallel_duplicate(p, self.tp_rank)
+        ]
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float, None]:
+        """Clip and apply one update. Collective over the model-parallel group (for the grad norm).
+
+        Returns ``(update_successful, grad_norm, num_zeros_in_grad)``; a non-finite gradient norm skips
+        the update, so a single bad batch cannot poison the weights.
+        """
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.main_grad if m is p else p.main_grad.clone()
+        grad_norm = get_grad_norm_fp32(self._grads_for_norm(), self.model_parallel_group)
+        if not math.isfinite(grad_norm):
+            return False, grad_norm, None
+        if self.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32([m.grad for m in self.masters], self.config.clip_grad, grad_norm)
+        self.optimizer.step()
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+        return True, grad_norm, None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for m in self.masters:
+            m.grad = None
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if any(m is not p for p, m in zip(self.params, self.masters)):
+            state["fp32_from_fp16_params"] = [m.detach().clone() for m in self.masters]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if "fp32_from_fp16_params" in state:
+            with torch.no_grad():
+                for p, m, saved in zip(self.params, self.masters, state["fp32_from_fp16_params"]):
+                    m.copy_(saved)
+                    p.copy_(saved)

@@ -1,0 +1,61 @@
+"""Cross entropy over logits whose vocabulary dimension is split across tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.core.tensor_parallel.utils import VocabUtility
+
+
+def _tp(group) -> tuple[int, int]:
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+def _all_reduce(x: torch.Tensor, op, group) -> None:
+    if _tp(group)[1] > 1:
+        dist.all_reduce(x, op=op, group=group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        logits = logits.float()
+        logits_max = logits.max(dim=-1)[0]
+        _all_reduce(logits_max, dist.ReduceOp.MAX, group)
+        logits = logits - logits_max.unsqueeze(-1)
+
+        rank, world = _tp(group)
+        partition_vocab = logits.size(-1)
+        first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(partition_vocab, rank, world)
+        target_mask = (target < first) | (target >= last)
+        masked_target = (target - first).masked_fill(target_mask, 0)
+
+        logits_2d = logits.view(-1, partition_vocab)
+        rows = torch.arange(logits_2d.size(0))
+        predicted = logits_2d[rows, masked_target.view(-1)].view_as(target).masked_fill(target_mask, 0.0)
+        _all_reduce(predicted, dist.ReduceOp.SUM, group)
+
+        exp_logits = logits.exp_()
+        sum_exp = exp_logits.sum(dim=-1)
+        _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+        loss = torch.log(sum_exp) - predicted
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, target_mask, masked_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, target_mask, masked_target = ctx.saved_tensors
+        grad = softmax.clone()
+        grad_2d = grad.view(-1, grad.size(-1))
+        rows = torch.arange(grad_2d.size(0))
+        grad_2d[rows, masked_target.view(-1)] -= 1.0 - target_mask.view(-1).float()
+        grad.mul_(grad_output.unsqueeze(-1))
+        return grad, None, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group=None):
+    """Per-token loss, in fp32. Collective over ``tp_group``."""
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group)

@@ -1,0 +1,53 @@
+"""The layers one pipeline stage owns, plus the final LayerNorm on the last stage."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_lite.core.transformer.transformer_config import TransformerConfig
+from megatron_lite.core.transformer.transformer_layer import TransformerLayer
+from megatron_lite.core.utils import init_method_normal, scaled_init_method_normal, seeded_init
+
+
+def get_num_layers_to_build(config: TransformerConfig, pp_rank: int) -> tuple[int, int]:
+    """(number of layers on stage ``pp_rank``, global index of its first layer)."""
+    per_stage = config.num_layers // config.pipeline_model_parallel_size
+    return per_stage, pp_rank * per_stage
+
+
+class TransformerBlock(nn.Module):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        pp_rank: int = 0,
+        post_process: bool = True,
+        seed: int = 1234,
+        tp_group=None,
+    ):
+        super().__init__()
+        num_layers, offset = get_num_layers_to_build(config, pp_rank)
+        init = init_method_normal(config.init_method_std)
+        scaled = scaled_init_method_normal(config.init_method_std, config.num_layers)
+        layers = []
+        for i in range(offset, offset + num_layers):
+            with seeded_init(seed, f"layer {i}"):
+                layers.append(
+                    TransformerLayer(
+                        config, i + 1, init_method=init, output_layer_init_method=scaled, tp_group=tp_group
+                    )
+                )
+        self.layers = nn.ModuleList(layers)
+        self.final_layernorm = (
+            nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+            if post_process
+            else None
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states

@@ -1,0 +1,51 @@
+"""Initialisation helpers and small utilities, as in megatron.core.utils."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from contextlib import contextmanager
+
+import torch
+
+
+def init_method_normal(sigma: float):
+    """Normal(0, sigma) initialisation."""
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
+
+    return init_
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int):
+    """Normal(0, sigma / sqrt(2 num_layers)): Megatron's init for output projections feeding a residual."""
+    return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
+
+
+@contextmanager
+def seeded_init(seed: int, key: str):
+    """Draw initial weights from an RNG keyed by ``(seed, key)`` and restore the global RNG after.
+
+    Keys name model parts by their global position (``layer 5``, ``embedding``), so a part gets the same
+    weights on whichever pipeline stage it lives.
+    """
+    state = torch.random.get_rng_state()
+    torch.manual_seed(zlib.crc32(f"{seed}/{key}".encode()))
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def get_model_config(model: torch.nn.Module):
+    """The TransformerConfig of a (possibly wrapped) model."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model.config
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model

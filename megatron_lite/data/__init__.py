@@ -1,0 +1,1 @@
+"""Data loading (Megatron-Bridge's megatron.bridge.data)."""

@@ -1,0 +1,1 @@
+"""Model providers (Megatron-Bridge style): configs that build models."""

@@ -1,0 +1,1 @@
+"""Training: config, arguments, state, loop, checkpointing."""

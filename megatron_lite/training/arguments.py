@@ -1,0 +1,269 @@
+"""Megatron-LM command-line flags, parsed onto a validated ConfigContainer.
+
+Each flag maps to one config field; its help text is the field's docstring default. Flags of upstream
+features not built yet are accepted by the parser but refused with a clear "not supported yet" error,
+never silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+import time
+
+from megatron_lite.training.config import ConfigContainer, ConfigError
+
+# (flag, section, field, type, help). type is a callable, "store_true" or "store_false".
+FLAGS: list[tuple[str, str, str, object, str]] = [
+    # Model
+    ("--num-layers", "model", "num_layers", int, "Transformer layers."),
+    ("--hidden-size", "model", "hidden_size", int, "Hidden size."),
+    ("--num-attention-heads", "model", "num_attention_heads", int, "Attention heads."),
+    ("--ffn-hidden-size", "model", "ffn_hidden_size", int, "MLP hidden size (default 4 x hidden)."),
+    ("--kv-channels", "model", "kv_channels", int, "Projection size per head (default hidden / heads)."),
+    ("--seq-length", "dataset", "sequence_length", int, "Tokens per sample."),
+    ("--max-position-embeddings", "model", "max_position_embeddings", int, "Position-embedding rows."),
+    ("--vocab-size", "model", "vocab_size", int, "Vocabulary size (mock data)."),
+    (
+        "--make-vocab-size-divisible-by",
+        "model",
+        "make_vocab_size_divisible_by",
+        int,
+        "Vocab padding multiple.",
+    ),
+    ("--init-method-std", "model", "init_method_std", float, "Std of the normal weight init."),
+    ("--norm-epsilon", "model", "layernorm_epsilon", float, "LayerNorm epsilon."),
+    ("--hidden-dropout", "model", "hidden_dropout", float, "Hidden dropout (only 0 supported)."),
+    ("--attention-dropout", "model", "attention_dropout", float, "Attention dropout (only 0 supported)."),
+    (
+        "--untie-embeddings-and-output-weights",
+        "model",
+        "share_embeddings_and_output_weights",
+        "store_false",
+        "Give the output layer its own weight.",
+    ),
+    ("--disable-bias-linear", "model", "add_bias_linear", "store_false", "No biases in linear layers."),
+    ("--bf16", "model", "bf16", "store_true", "bf16 compute, fp32 master weights."),
+    ("--fp16", "model", "fp16", "store_true", "fp16 compute (not supported yet)."),
+    (
+        "--sequence-parallel",
+        "model",
+        "sequence_parallel",
+        "store_true",
+        "Sequence parallelism (not supported yet).",
+    ),
+    ("--tensor-model-parallel-size", "model", "tensor_model_parallel_size", int, "Tensor-parallel size."),
+    (
+        "--pipeline-model-parallel-size",
+        "model",
+        "pipeline_model_parallel_size",
+        int,
+        "Pipeline-parallel size.",
+    ),
+    ("--context-parallel-size", "model", "context_parallel_size", int, "Context-parallel size."),
+    (
+        "--virtual-pipeline-model-parallel-size",
+        "model",
+        "virtual_pipeline_model_parallel_size",
+        int,
+        "Interleaved pipeline chunks (not supported yet).",
+    ),
+    # Training
+    (
+        "--micro-batch-size",
+        "train",
+        "micro_batch_size",
+        int,
+        "Samples per microbatch per data-parallel rank.",
+    ),
+    ("--global-batch-size", "train", "global_batch_size", int, "Samples per iteration."),
+    ("--train-iters", "train", "train_iters", int, "Iterations to train."),
+    ("--exit-interval", "train", "exit_interval", int, "Exit when the iteration is a multiple of this."),
+    (
+        "--exit-signal-handler",
+        "train",
+        "exit_signal_handler",
+        "store_true",
+        "On SIGTERM finish the iteration, save and exit 0.",
+    ),
+    ("--eval-interval", "train", "eval_interval", int, "Iterations between validations."),
+    ("--eval-iters", "train", "eval_iters", int, "Iterations per validation."),
+    # Optimizer and schedule
+    ("--lr", "optimizer", "lr", float, "Peak learning rate."),
+    ("--min-lr", "optimizer", "min_lr", float, "Final learning rate."),
+    ("--weight-decay", "optimizer", "weight_decay", float, "Weight decay."),
+    ("--adam-beta1", "optimizer", "adam_beta1", float, "Adam beta1."),
+    ("--adam-beta2", "optimizer", "adam_beta2", float, "Adam beta2."),
+    ("--adam-eps", "optimizer", "adam_eps", float, "Adam epsilon."),
+    ("--clip-grad", "optimizer", "clip_grad", float, "Global grad-norm clip (0 disables)."),
+    ("--lr-decay-style", "scheduler", "lr_decay_style", str, "constant, linear or cosine."),
+    ("--lr-decay-iters", "scheduler", "lr_decay_iters", int, "Decay iterations (default train-iters)."),
+    ("--lr-warmup-iters", "scheduler", "lr_warmup_iters", int, "Warmup iterations."),
+    ("--lr-warmup-fraction", "scheduler", "lr_warmup_fraction", float, "Warmup as a fraction of decay."),
+    ("--lr-warmup-init", "scheduler", "lr_warmup_init", float, "Learning rate at the start of warmup."),
+    # Data and seeds
+    ("--mock-data", "dataset", "mock", "store_true", "Synthetic data (the default and only source so far)."),
+    ("--seed", "rng", "seed", int, "Random seed (weights and data)."),
+    # Logging
+    ("--log-interval", "logger", "log_interval", int, "Iterations between console lines."),
+    ("--log-throughput", "logger", "log_throughput", "store_true", "Log tokens/s to the loggers."),
+    ("--log-params-norm", "logger", "log_params_norm", "store_true", "Compute and log the parameter norm."),
+    ("--tensorboard-dir", "logger", "tensorboard_dir", str, "TensorBoard directory."),
+    (
+        "--tensorboard-log-interval",
+        "logger",
+        "tensorboard_log_interval",
+        int,
+        "Iterations between logger writes.",
+    ),
+    ("--tensorboard-queue-size", "logger", "tensorboard_queue_size", int, "SummaryWriter queue size."),
+    ("--log-timers-to-tensorboard", "logger", "log_timers_to_tensorboard", "store_true", "Log timers."),
+    (
+        "--log-memory-to-tensorboard",
+        "logger",
+        "log_memory_to_tensorboard",
+        "store_true",
+        "Log memory: each metric's peak across all pipeline stages.",
+    ),
+    (
+        "--log-memory-per-pp-stage",
+        "logger",
+        "log_memory_per_pp_stage",
+        "store_true",
+        "Also log memory/pp-stage-<i>/<name> for every stage.",
+    ),
+    (
+        "--no-log-loss-scale-to-tensorboard",
+        "logger",
+        "log_loss_scale_to_tensorboard",
+        "store_false",
+        "Do not log the loss scale.",
+    ),
+    ("--wandb-project", "logger", "wandb_project", str, "W&B project."),
+    ("--wandb-exp-name", "logger", "wandb_exp_name", str, "W&B run name."),
+    ("--wandb-save-dir", "logger", "wandb_save_dir", str, "W&B local directory."),
+    ("--wandb-entity", "logger", "wandb_entity", str, "W&B entity."),
+    ("--mlflow-experiment", "logger", "mlflow_experiment", str, "MLflow experiment."),
+    ("--mlflow-run-name", "logger", "mlflow_run_name", str, "MLflow run name."),
+    ("--mlflow-tracking-uri", "logger", "mlflow_tracking_uri", str, "MLflow tracking URI."),
+    ("--comet-project", "logger", "comet_project", str, "Comet project."),
+    ("--comet-experiment-name", "logger", "comet_experiment_name", str, "Comet experiment name."),
+    ("--comet-workspace", "logger", "comet_workspace", str, "Comet workspace."),
+    ("--comet-offline-directory", "logger", "comet_offline_directory", str, "Write Comet offline here."),
+    # Checkpoints
+    ("--save", "checkpoint", "save", str, "Checkpoint directory to save to."),
+    ("--save-interval", "checkpoint", "save_interval", int, "Iterations between saves."),
+    ("--load", "checkpoint", "load", str, "Checkpoint directory to resume from."),
+    ("--no-load-optim", "checkpoint", "load_optim", "store_false", "Do not load optimizer state."),
+    ("--no-load-rng", "checkpoint", "load_rng", "store_false", "Do not load RNG state."),
+    ("--finetune", "checkpoint", "finetune", "store_true", "Load weights only; reset the iteration."),
+    # Launch
+    ("--nproc-per-node", "dist", "nproc_per_node", int, "Worker processes (default tp x pp x cp)."),
+    ("--distributed-backend", "dist", "distributed_backend", str, "gloo or nccl (default: by hardware)."),
+    ("--distributed-timeout-minutes", "dist", "distributed_timeout_minutes", int, "Collective timeout."),
+]
+
+# Upstream flags whose features are not built yet: parsed, then refused if given.
+UNSUPPORTED_FLAGS: dict[str, object] = {
+    "--data-path": "+",
+    "--split": str,
+    "--tokenizer-type": str,
+    "--train-samples": int,
+    "--use-distributed-optimizer": "store_true",
+    "--num-layers-per-virtual-pipeline-stage": int,
+    "--expert-model-parallel-size": int,
+    "--num-experts": int,
+    "--recompute-granularity": str,
+    "--recompute-activations": "store_true",
+    "--swiglu": "store_true",
+    "--position-embedding-type": str,
+    "--normalization": str,
+    "--use-flash-attn": "store_true",
+    "--overlap-grad-reduce": "store_true",
+    "--overlap-param-gather": "store_true",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def parse_args(self, args=None, namespace=None):
+        namespace, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            options = [s for action in self._actions for s in action.option_strings]
+            first = unknown[0]
+            match = difflib.get_close_matches(first.split("=")[0], options, n=1)
+            hint = f" (did you mean {match[0]}?)" if match else ""
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        return namespace
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="pretrain.py",
+        allow_abbrev=False,
+        description="Pretrain a GPT with megatron_lite (Megatron-LM flag names).",
+    )
+    defaults = ConfigContainer()
+    for flag, section, name, kind, help_text in FLAGS:
+        dest = flag[2:].replace("-", "_")
+        if kind in ("store_true", "store_false"):
+            parser.add_argument(flag, dest=dest, action=kind, default=None, help=help_text)
+        else:
+            default = getattr(getattr(defaults, section), name)
+            parser.add_argument(
+                flag, dest=dest, type=kind, default=None, help=f"{help_text} (default: {default})"
+            )
+    for flag, kind in UNSUPPORTED_FLAGS.items():
+        dest = "unsupported_" + flag[2:].replace("-", "_")
+        if kind == "store_true":
+            parser.add_argument(flag, dest=dest, action="store_true", help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(
+                flag,
+                dest=dest,
+                nargs=kind if kind == "+" else None,
+                type=None if kind == "+" else kind,
+                help=argparse.SUPPRESS,
+            )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ConfigContainer:
+    """Map parsed flags onto a ConfigContainer (not yet validated)."""
+    for flag in UNSUPPORTED_FLAGS:
+        value = getattr(args, "unsupported_" + flag[2:].replace("-", "_"))
+        if value not in (None, False):
+            raise ConfigError(flag, "is not supported yet by megatron_lite")
+    config = ConfigContainer()
+    for flag, section, name, _kind, _help in FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            setattr(getattr(config, section), name, value)
+    m = config.model
+    if args.ffn_hidden_size is None:
+        m.ffn_hidden_size = 4 * m.hidden_size
+    if args.kv_channels is None:
+        m.kv_channels = m.hidden_size // max(m.num_attention_heads, 1)
+    if args.max_position_embeddings is None:
+        m.max_position_embeddings = max(m.max_position_embeddings, config.dataset.sequence_length)
+    m.seq_length = config.dataset.sequence_length
+    config.dataset.random_seed = config.rng.seed
+    config.optimizer.bf16, config.optimizer.fp16 = m.bf16, m.fp16
+    lg = config.logger
+    if lg.tensorboard_dir is None and (lg.log_memory_to_tensorboard or lg.log_timers_to_tensorboard):
+        # A TensorBoard flag without a directory still logs, somewhere the user is told about.
+        lg.tensorboard_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"), "tensorboard")
+    return config
+
+
+def parse_args(argv: list[str] | None = None) -> ConfigContainer:
+    """Parse and validate. Bad input: one line on stderr naming the flag and the fix, exit code 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except ConfigError as err:
+        print(f"pretrain.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return config

@@ -1,0 +1,242 @@
+"""Megatron-layout checkpoints, written atomically and loaded with every rank agreeing.
+
+Layout: ``DIR/iter_0000010/mp_rank_XX[_YYY]/model_optim_rng.pt`` per (tensor, pipeline) rank, written
+by data-parallel rank 0 (``_YYY`` only with pipeline parallelism, as Megatron names them), and
+``DIR/latest_checkpointed_iteration.txt``. A save goes into a temporary directory that is renamed into
+place once every shard is on disk; the tracker is replaced last. A crash mid-save leaves the previous
+checkpoint and tracker untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.core import parallel_state
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; ``str(err)`` is the one line shown to the user."""
+
+
+def _shard_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def get_checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return os.path.join(
+        root, f"iter_{iteration:07d}", _shard_name(tp_rank, pp_rank, pp_size), "model_optim_rng.pt"
+    )
+
+
+def _my_shard_name() -> str:
+    return _shard_name(
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_bytes(path: str, write) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _layout() -> dict[str, int]:
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+    }
+
+
+def _rng_state() -> dict:
+    state = {"random": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(state, model, optimizer, scheduler, pg_collection) -> None:
+    """Write this iteration's checkpoint. Collective over the world (barriers around the rename)."""
+    root, iteration = state.cfg.checkpoint.save, state.train_state.step
+    final_dir = os.path.join(root, f"iter_{iteration:07d}")
+    tmp_root = os.path.join(root, f".tmp_iter_{iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp_root, ignore_errors=True)
+        os.makedirs(tmp_root)
+    dist.barrier()
+    if parallel_state.get_data_parallel_rank() == 0:
+        path = os.path.join(tmp_root, _my_shard_name(), "model_optim_rng.pt")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        payload = {
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "opt_param_scheduler": scheduler.state_dict(),
+            "train_state": state.train_state.state_dict(),
+            "rng_state": _rng_state(),
+            "parallel_layout": _layout(),
+            "config": dataclasses.asdict(state.cfg),
+        }
+        _atomic_write_bytes(path, lambda f: torch.save(payload, f))
+        _fsync_dir(os.path.dirname(path))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _fsync_dir(tmp_root)
+        if os.path.exists(final_dir):  # re-saving an iteration: keep the old one until the new is in place
+            stale = final_dir + ".old"
+            shutil.rmtree(stale, ignore_errors=True)
+            os.replace(final_dir, stale)
+            os.replace(tmp_root, final_dir)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.replace(tmp_root, final_dir)
+        _fsync_dir(root)
+        _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{iteration}\n".encode()))
+        print(f" successfully saved checkpoint from iteration {iteration:7d} to {root}", flush=True)
+    dist.barrier()
+
+
+def read_tracker(root: str) -> int | None:
+    """The latest iteration in ``root``; None when there is nothing to resume from."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isdir(root) or not os.listdir(root):
+        return None
+    if not os.path.exists(tracker):
+        if any(name.startswith("iter_") for name in os.listdir(root)):
+            raise CheckpointError(
+                f"--load {root}: has checkpoint directories but no {TRACKER}; "
+                "point --load at a complete checkpoint directory"
+            )
+        return None
+    try:
+        with open(tracker) as f:
+            text = f.read().strip()
+        iteration = int(text)
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"--load {root}: {TRACKER} is unreadable or not an iteration number") from None
+    if iteration < 0:
+        raise CheckpointError(f"--load {root}: {TRACKER} holds a negative iteration ({iteration})")
+    return iteration
+
+
+def _load_shard(root: str, iteration: int) -> dict:
+    path = os.path.join(root, f"iter_{iteration:07d}", _my_shard_name(), "model_optim_rng.pt")
+    if not os.path.exists(path):
+        layouts = (
+            sorted(os.listdir(os.path.dirname(os.path.dirname(path))))
+            if os.path.isdir(os.path.dirname(os.path.dirname(path)))
+            else []
+        )
+        raise CheckpointError(
+            f"--load {root}: iteration {iteration} has no shard {os.path.relpath(path, root)} "
+            f"(found {', '.join(layouts) or 'nothing'}); was it saved with another parallel layout?"
+        )
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # torch raises many types for truncated or garbage files
+        raise CheckpointError(
+            f"--load {root}: cannot read {os.path.relpath(path, root)} ({type(err).__name__}); "
+            "the file is corrupt or truncated"
+        ) from None
+    if not isinstance(payload, dict) or "model" not in payload:
+        raise CheckpointError(
+            f"--load {root}: {os.path.relpath(path, root)} is not a megatron_lite checkpoint"
+        )
+    saved, current = payload.get("parallel_layout", {}), _layout()
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if saved.get(key) != current[key]:
+            raise CheckpointError(
+                f"--load {root}: saved with tp={saved.get('tensor_model_parallel_size')}, "
+                f"pp={saved.get('pipeline_model_parallel_size')} but this run uses "
+                f"tp={current['tensor_model_parallel_size']}, pp={current['pipeline_model_parallel_size']}; "
+                "resume with the saved layout"
+            )
+    return payload
+
+
+def _agree(error: str | None) -> None:
+    """Raise the same CheckpointError on every rank if any rank failed. Collective over the world."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+
+
+def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
+    """Restore from ``--load``; returns the loaded iteration (0 when starting fresh). Collective."""
+    cfg = state.cfg.checkpoint
+    payload, error, iteration = None, None, None
+    try:
+        iteration = read_tracker(cfg.load)
+        if iteration is not None:
+            payload = _load_shard(cfg.load, iteration)
+    except CheckpointError as err:
+        error = str(err)
+    _agree(error)
+    if iteration is None:
+        if dist.get_rank() == 0:
+            print(f" no checkpoint found in {cfg.load}; starting from scratch", flush=True)
+        return 0
+    try:
+        model.load_state_dict(payload["model"])
+        if not cfg.finetune:
+            state.train_state.load_state_dict(payload["train_state"])
+            if cfg.load_optim:
+                optimizer.load_state_dict(payload["optimizer"])
+                scheduler.load_state_dict(payload["opt_param_scheduler"])
+            if cfg.load_rng:
+                _set_rng_state(payload["rng_state"])
+    except (KeyError, RuntimeError, ValueError) as err:
+        error = (
+            f"--load {cfg.load}: iteration {iteration} does not match this model ({str(err).splitlines()[0]})"
+        )
+    _agree(error)
+    if cfg.finetune:
+        # Fresh optimizer at full learning rate: the schedule restarts with the iteration count.
+        scheduler.step(0)
+    if dist.get_rank() == 0:
+        print(f" successfully loaded checkpoint from {cfg.load} at iteration {iteration}", flush=True)
+    return iteration

@@ -1,0 +1,58 @@
+"""Process start-up: the default process group, model-parallel groups and seeds."""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.core import parallel_state
+from megatron_lite.core.process_groups_config import ProcessGroupCollection
+from megatron_lite.training.config import ConfigContainer
+
+
+def initialize_distributed(config: ConfigContainer) -> None:
+    """Join the world described by torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*).
+
+    gloo without CUDA; nccl with one GPU per local rank otherwise.
+    """
+    backend = config.dist.distributed_backend or parallel_state.default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timedelta(minutes=config.dist.distributed_timeout_minutes),
+        )
+
+
+def set_random_seeds(seed: int) -> None:
+    """Same seed on every rank: weights are drawn per model part (see core.utils.seeded_init) and the
+    synthetic data is indexed by sample, so nothing depends on the rank."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def initialize_megatron(config: ConfigContainer) -> ProcessGroupCollection:
+    """Collective over the world: every rank builds every model-parallel group."""
+    initialize_distributed(config)
+    m = config.model
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        context_parallel_size=m.context_parallel_size,
+        distributed_timeout_minutes=config.dist.distributed_timeout_minutes,
+    )
+    set_random_seeds(config.rng.seed)
+    return ProcessGroupCollection.use_mpu_process_groups()

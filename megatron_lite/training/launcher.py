@@ -1,0 +1,181 @@
+"""Start a job's worker processes on this machine, stream their output, and stop them together.
+
+Used by ``pretrain.py`` when it is not already under torchrun. Workers get torchrun's environment
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT). If any worker fails, by exception or by signal, the
+others are stopped within seconds and the launcher exits non-zero, printing the failing rank's error
+once. SIGINT / SIGTERM are forwarded to every worker.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ERROR_FILE_ENV = "MEGATRON_LITE_ERROR_FILE"
+_GRACE_AFTER_FAILURE_S = 3.0
+_GRACE_AFTER_SIGNAL_S = 60.0
+# Errors that only say a peer went away: symptoms of another rank's failure, not the cause.
+_SECONDARY = (
+    "Connection closed by peer",
+    "Connection reset",
+    "Broken pipe",
+    "ECONNRESET",
+    "timed out",
+    "another rank failed",
+)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: a worker gets SIGKILL if the launcher itself dies, so no worker outlives the job."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Launcher:
+    def __init__(self, command: list[str], nproc: int):
+        self.command, self.nproc = command, nproc
+        self.procs: list[subprocess.Popen] = []
+        self.error_dir = tempfile.mkdtemp(prefix="megatron_lite_")
+        self.lock = threading.Lock()
+        self.stopping: int | None = None  # signal number once the user asked to stop
+
+    def _env(self, rank: int, port: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(self.nproc),
+            LOCAL_WORLD_SIZE=str(self.nproc),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONUNBUFFERED="1",
+        )
+        env[ERROR_FILE_ENV] = os.path.join(self.error_dir, f"rank_{rank}.err")
+        # Like torchrun: share the cores instead of every worker spinning up a thread per core.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))
+        return env
+
+    def _pump(self, rank: int, stream, sink) -> None:
+        prefix = "" if rank == self.nproc - 1 else f"[rank {rank}] "
+        for line in iter(stream.readline, ""):
+            text = line if (not prefix or line.startswith("[Rank ")) else prefix + line
+            with self.lock:
+                sink.write(text)
+                sink.flush()
+        stream.close()
+
+    def _signal_all(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def _stop_all(self, grace: float) -> None:
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._signal_all(signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stopping is not None:  # second Ctrl-C: stop now
+            self._signal_all(signal.SIGKILL)
+            return
+        self.stopping = signum
+        self._signal_all(signal.SIGTERM)
+
+    def _describe(self, rank: int, code: int) -> tuple[str, bool]:
+        """The failing rank's message, and whether it is only a symptom of another rank's failure."""
+        path = os.path.join(self.error_dir, f"rank_{rank}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                text = f.read().rstrip()
+            return text, any(s in text for s in _SECONDARY)
+        if code < 0:
+            return f"pretrain.py: rank {rank} was killed by {signal.Signals(-code).name}", False
+        return f"pretrain.py: rank {rank} exited with code {code}", True
+
+    def run(self) -> int:
+        port = _free_port()
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        threads = []
+        try:
+            for rank in range(self.nproc):
+                self.procs.append(
+                    subprocess.Popen(
+                        self.command,
+                        env=self._env(rank, port),
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        bufsize=1,
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent,
+                    )
+                )
+            for rank, p in enumerate(self.procs):
+                for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                    t = threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True)
+                    t.start()
+                    threads.append(t)
+            return self._monitor()
+        finally:
+            self._stop_all(0.5)
+            for t in threads:
+                t.join(timeout=2.0)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            shutil.rmtree(self.error_dir, ignore_errors=True)
+
+    def _monitor(self) -> int:
+        stop_deadline = None
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if self.stopping is not None:
+                stop_deadline = stop_deadline or time.monotonic() + _GRACE_AFTER_SIGNAL_S
+                if all(c is not None for c in codes) or time.monotonic() > stop_deadline:
+                    self._stop_all(0.0)
+                    clean = all(c == 0 for c in codes)
+                    return 0 if clean else 128 + self.stopping
+            else:
+                failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+                if failed:
+                    return self._fail(failed)
+                if all(c == 0 for c in codes):
+                    return 0
+            time.sleep(0.05)
+
+    def _fail(self, failed: list[tuple[int, int]]) -> int:
+        self._stop_all(_GRACE_AFTER_FAILURE_S)
+        described = [(rank, code, *self._describe(rank, code)) for rank, code in failed]
+        rank, code, message, _ = sorted(described, key=lambda d: (d[3], d[0]))[0]
+        with self.lock:
+            print(message, file=sys.stderr, flush=True)
+        return code if code > 0 else 128 - code
+
+
+def launch(command: list[str], nproc: int) -> int:
+    """Run ``command`` as ``nproc`` workers of one job; returns the job's exit code."""
+    return Launcher(command, nproc).run()

@@ -1,0 +1,99 @@
+"""Build everything a run needs: groups, model, optimizer, scheduler, data, restored state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch.distributed as dist
+
+from megatron_lite.core import parallel_state
+from megatron_lite.core.datasets.gpt_dataset import MockGPTDataset
+from megatron_lite.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron_lite.core.optimizer import MegatronOptimizer, OptimizerParamScheduler
+from megatron_lite.core.process_groups_config import ProcessGroupCollection
+from megatron_lite.data.samplers import build_pretraining_data_loader
+from megatron_lite.training import checkpointing
+from megatron_lite.training.config import ConfigContainer
+from megatron_lite.training.initialize import initialize_megatron
+from megatron_lite.training.state import GlobalState
+from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
+
+
+@dataclass
+class SetupOutput:
+    state: GlobalState
+    model: DistributedDataParallel
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    train_data_iterator: object
+    valid_data_iterator: object
+    pg_collection: ProcessGroupCollection
+
+
+def get_optimizer_param_scheduler(config: ConfigContainer, optimizer) -> OptimizerParamScheduler:
+    """Megatron's schedule in samples: decay over lr_decay_iters (default train_iters) global batches."""
+    s, gbs = config.scheduler, config.train.global_batch_size
+    decay_steps = (s.lr_decay_iters or config.train.train_iters) * gbs
+    warmup_steps = (
+        int(s.lr_warmup_fraction * decay_steps)
+        if s.lr_warmup_fraction is not None
+        else s.lr_warmup_iters * gbs
+    )
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=s.lr_warmup_init,
+        max_lr=config.optimizer.lr,
+        min_lr=config.optimizer.min_lr,
+        lr_warmup_steps=min(warmup_steps, decay_steps),
+        lr_decay_steps=decay_steps,
+        lr_decay_style=s.lr_decay_style,
+    )
+
+
+def build_data_iterators(config: ConfigContainer, state: GlobalState, pg_collection: ProcessGroupCollection):
+    """Train and validation iterators positioned at the restored consumed-sample counts."""
+    t, m, ds = config.train, config.model, config.dataset
+    dp_rank, dp_size = dist.get_rank(pg_collection.dp), dist.get_world_size(pg_collection.dp)
+    evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
+
+    def loader(seed: int, num_samples: int, consumed: int):
+        if num_samples <= consumed:
+            return None
+        dataset = MockGPTDataset(
+            vocab_size=m.vocab_size, sequence_length=ds.sequence_length, seed=seed, num_samples=num_samples
+        )
+        return iter(build_pretraining_data_loader(dataset, consumed, t.micro_batch_size, dp_rank, dp_size))
+
+    ts = state.train_state
+    train = loader(ds.random_seed, t.train_iters * t.global_batch_size, ts.consumed_train_samples)
+    valid = loader(
+        ds.random_seed + 1, max(evals * t.eval_iters * t.global_batch_size, 1), ts.consumed_valid_samples
+    )
+    return train, valid
+
+
+def setup(state: GlobalState) -> SetupOutput:
+    """Collective over the world (group creation, checkpoint load)."""
+    config = state.cfg
+    pg_collection = initialize_megatron(config)
+    model_config = config.model
+    module = model_config.provide(
+        pg_collection,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        seed=config.rng.seed,
+    )
+    model = DistributedDataParallel(model_config, module, dp_group=pg_collection.dp)
+    # The schedules call this after the last microbatch of each step.
+    model_config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg_collection)
+    ACTIVATION_MEMORY.exclude_parameters(module.parameters())
+
+    optimizer = MegatronOptimizer(
+        config.optimizer, [model], model_parallel_group=pg_collection.mp, tp_group=pg_collection.tp
+    )
+    scheduler = get_optimizer_param_scheduler(config, optimizer)
+    if config.checkpoint.load:
+        checkpointing.load_checkpoint(state, model, optimizer, scheduler, pg_collection)
+    train_iter, valid_iter = build_data_iterators(config, state, pg_collection)
+    return SetupOutput(state, model, optimizer, scheduler, train_iter, valid_iter, pg_collection)

@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Pretrain a GPT with megatron_lite.
+
+    python pretrain.py --pipeline-model-parallel-size 4 --log-memory-to-tensorboard
+    torchrun --nproc-per-node 8 pretrain.py --tensor-model-parallel-size 2 ...
+
+Without torchrun's environment this script starts its own workers on this machine (world size
+--nproc-per-node, default tp x pp x cp). Under torchrun it is one worker of torchrun's world.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+
+
+def _report(message: str) -> None:
+    """Hand an error to the launcher (which prints it once) or, under torchrun, print it."""
+    path = os.environ.get("MEGATRON_LITE_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            f.write(message + "\n")
+    else:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _raise_exit(signum, frame):
+    # Unwind so finally-blocks flush and close the loggers.
+    raise SystemExit(128 + signum)
+
+
+def worker_main(argv: list[str]) -> int:
+    from megatron_lite.training.arguments import parse_args
+
+    config = parse_args(argv)
+    if not config.train.exit_signal_handler:
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+    from megatron_lite.training.checkpointing import CheckpointError
+    from megatron_lite.training.gpt_step import forward_step
+    from megatron_lite.training.pretrain import pretrain
+
+    try:
+        pretrain(config, forward_step)
+    except CheckpointError as err:
+        _report(f"pretrain.py: error: {err}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception:
+        rank = os.environ.get("RANK", "?")
+        _report(f"pretrain.py: rank {rank} failed:\n{traceback.format_exc().rstrip()}")
+        return 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return worker_main(argv)
+
+    from megatron_lite.training.arguments import parse_args
+    from megatron_lite.training.launcher import launch
+
+    # Validate here, before any worker starts or any file is written.
+    config = parse_args(argv)
+    if "--tensorboard-dir" not in argv and config.logger.tensorboard_dir:
+        argv = [*argv, "--tensorboard-dir", config.logger.tensorboard_dir]  # one default for all workers
+    code = launch([sys.executable, os.path.abspath(__file__), *argv], config.world_size)
+    if code == 0 and config.logger.tensorboard_dir:
+        print(
+            f" logs: {config.logger.tensorboard_dir}  (tensorboard --logdir {config.logger.tensorboard_dir}; "
+            f"python tools/memory_report.py {config.logger.tensorboard_dir})"
+        )
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
