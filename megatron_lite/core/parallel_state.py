@@ -159,9 +159,15 @@ def initialize_model_parallel(
     rank = dist.get_rank()
     state = _ParallelState(virtual_pp_size=virtual_pipeline_model_parallel_size)
 
+    created: dict[tuple, object] = {}
+
     def add(name: str, ranks: list[int], backend: str | None = None) -> None:
-        # new_group is itself collective over the whole world: every rank creates every group.
-        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        # new_group is itself collective over the whole world: every rank creates every group, in the
+        # same order. Groups with identical ranks (dp and dp-cp when cp == 1, say) share one communicator.
+        key = (tuple(ranks), backend)
+        if key not in created:
+            created[key] = dist.new_group(ranks, timeout=timeout, backend=backend)
+        group = created[key]
         if rank in ranks:
             state.groups[name], state.ranks[name] = group, ranks
 

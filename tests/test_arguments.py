@@ -1,0 +1,108 @@
+"""Megatron flag names map onto the typed config; bad input is refused before anything starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from dist_helpers import PRETRAIN, REPO
+
+from megatron_lite.training.arguments import parse_args
+from megatron_lite.training.config import ConfigContainer
+
+BAD_INPUT = [
+    (["--num-layers", "6", "--pipeline-model-parallel-size", "4"], "--num-layers"),
+    (["--num-attention-heads", "6", "--tensor-model-parallel-size", "4"], "--num-attention-heads"),
+    (["--hidden-size", "100", "--num-attention-heads", "8"], "--hidden-size"),
+    (["--global-batch-size", "10", "--micro-batch-size", "4"], "--global-batch-size"),
+    (["--nproc-per-node", "6", "--pipeline-model-parallel-size", "4"], "--nproc-per-node"),
+    (["--hidden-size", "0"], "--hidden-size"),
+    (["--micro-batch-size", "-1"], "--micro-batch-size"),
+    (["--train-iters", "0"], "--train-iters"),
+    (["--lr", "-0.1"], "--lr"),
+    (["--seq-length", "128", "--max-position-embeddings", "64"], "--seq-length"),
+    (["--wandb-project", "proj"], "--wandb-exp-name"),
+    (["--wandb-exp-name", "run"], "--wandb-project"),
+    (["--mlflow-experiment", "exp"], "--mlflow-run-name"),
+    (["--lr-decay-style", "exponential"], "--lr-decay-style"),
+    (["--save-interval", "5"], "--save-interval"),
+    (["--log-memory-per-pp-stage"], "--log-memory-per-pp-stage"),
+    (["--fp16"], "--fp16"),
+    (["--data-path", "/data/corpus"], "--data-path"),
+    (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--context-parallel-size", "2"], "--context-parallel-size"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", BAD_INPUT, ids=[b[1] + "-" + "_".join(b[0][1:2]) for b in BAD_INPUT])
+def test_bad_input_is_one_line_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("pretrain.py: error: ") and flag in err
+    if "not supported" not in err:
+        assert "Traceback" not in err
+
+
+def test_unknown_flag_gets_close_match_suggestion(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--num-layer", "4"])
+    assert exc.value.code == 2
+    assert "did you mean --num-layers?" in capsys.readouterr().err
+
+
+def test_flags_map_onto_config_sections():
+    cfg = parse_args([
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "8",
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "8",
+        "--lr", "0.01", "--min-lr", "0.001", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.1",
+        "--clip-grad", "0.5", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--bf16", "--seed", "7",
+        "--tensorboard-dir", "tb", "--tensorboard-log-interval", "2", "--log-memory-to-tensorboard",
+        "--wandb-project", "p", "--wandb-exp-name", "e", "--untie-embeddings-and-output-weights",
+        "--save", "ck", "--save-interval", "3", "--load", "ck", "--no-load-optim", "--exit-interval", "9",
+    ])
+    assert isinstance(cfg, ConfigContainer)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (4, 64, 256)
+    assert cfg.dataset.sequence_length == cfg.model.seq_length == 32
+    assert cfg.world_size == 8 and cfg.data_parallel_size == 2 and cfg.num_microbatches == 4
+    assert cfg.optimizer.lr == 0.01 and cfg.optimizer.bf16 and cfg.model.bf16
+    assert cfg.scheduler.lr_decay_style == "cosine" and cfg.scheduler.lr_warmup_fraction == 0.1
+    assert cfg.rng.seed == cfg.dataset.random_seed == 7
+    assert cfg.logger.tensorboard_dir == "tb" and cfg.logger.tensorboard_log_interval == 2
+    assert cfg.logger.log_memory_to_tensorboard and cfg.logger.wandb_exp_name == "e"
+    assert not cfg.model.share_embeddings_and_output_weights
+    assert cfg.checkpoint.save == "ck" and cfg.checkpoint.load_optim is False
+    assert cfg.train.exit_interval == 9
+
+
+def test_memory_flag_without_dir_gets_a_default_dir(tmp_path):
+    cfg = parse_args(["--log-memory-to-tensorboard"])
+    assert cfg.logger.tensorboard_dir and cfg.logger.tensorboard_dir.startswith("runs")
+    assert not os.path.exists(os.path.join(tmp_path, "runs"))
+
+
+def _pretrain(args, cwd):
+    return subprocess.run([sys.executable, PRETRAIN, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_bad_input_starts_nothing_and_writes_nothing(tmp_path):
+    result = _pretrain(["--num-layers", "6", "--pipeline-model-parallel-size", "4",
+                        "--tensorboard-dir", "tb", "--save", "ck", "--log-memory-to-tensorboard"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "--num-layers" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_lists_the_flags(tmp_path):
+    result = _pretrain(["--help"], REPO)
+    assert result.returncode == 0
+    for flag in ("--pipeline-model-parallel-size", "--log-memory-to-tensorboard", "--tensorboard-dir",
+                 "--wandb-project", "--global-batch-size", "--nproc-per-node", "--save", "--load"):
+        assert flag in result.stdout
