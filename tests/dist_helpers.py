@@ -18,9 +18,28 @@ PRETRAIN = str(REPO / "pretrain.py")
 
 # A model small enough that a multi-process job takes seconds on two cores.
 SMALL_MODEL = [
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-    "--max-position-embeddings", "32", "--vocab-size", "256", "--micro-batch-size", "2",
-    "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--vocab-size",
+    "256",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-warmup-iters",
+    "2",
 ]
 
 
@@ -47,7 +66,9 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -69,8 +90,14 @@ def run_pretrain(args: list[str], cwd, *, env: dict | None = None, timeout: floa
     """Run ``python pretrain.py ARGS`` as a user would; returns the CompletedProcess."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, PRETRAIN, *args], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, PRETRAIN, *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|")

@@ -56,16 +56,66 @@ def test_unknown_flag_gets_close_match_suggestion(capsys):
 
 
 def test_flags_map_onto_config_sections():
-    cfg = parse_args([
-        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "8",
-        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "8",
-        "--lr", "0.01", "--min-lr", "0.001", "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.1",
-        "--clip-grad", "0.5", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--bf16", "--seed", "7",
-        "--tensorboard-dir", "tb", "--tensorboard-log-interval", "2", "--log-memory-to-tensorboard",
-        "--wandb-project", "p", "--wandb-exp-name", "e", "--untie-embeddings-and-output-weights",
-        "--save", "ck", "--save-interval", "3", "--load", "ck", "--no-load-optim", "--exit-interval", "9",
-    ])
+    cfg = parse_args(
+        [
+            "--num-layers",
+            "4",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "32",
+            "--max-position-embeddings",
+            "32",
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "8",
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--nproc-per-node",
+            "8",
+            "--lr",
+            "0.01",
+            "--min-lr",
+            "0.001",
+            "--lr-decay-style",
+            "cosine",
+            "--lr-warmup-fraction",
+            "0.1",
+            "--clip-grad",
+            "0.5",
+            "--weight-decay",
+            "0.1",
+            "--adam-beta2",
+            "0.95",
+            "--bf16",
+            "--seed",
+            "7",
+            "--tensorboard-dir",
+            "tb",
+            "--tensorboard-log-interval",
+            "2",
+            "--log-memory-to-tensorboard",
+            "--wandb-project",
+            "p",
+            "--wandb-exp-name",
+            "e",
+            "--untie-embeddings-and-output-weights",
+            "--save",
+            "ck",
+            "--save-interval",
+            "3",
+            "--load",
+            "ck",
+            "--no-load-optim",
+            "--exit-interval",
+            "9",
+        ]
+    )
     assert isinstance(cfg, ConfigContainer)
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (4, 64, 256)
     assert cfg.dataset.sequence_length == cfg.model.seq_length == 32
@@ -87,13 +137,26 @@ def test_memory_flag_without_dir_gets_a_default_dir(tmp_path):
 
 
 def _pretrain(args, cwd):
-    return subprocess.run([sys.executable, PRETRAIN, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, PRETRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_bad_input_starts_nothing_and_writes_nothing(tmp_path):
-    result = _pretrain(["--num-layers", "6", "--pipeline-model-parallel-size", "4",
-                        "--tensorboard-dir", "tb", "--save", "ck", "--log-memory-to-tensorboard"], tmp_path)
+    result = _pretrain(
+        [
+            "--num-layers",
+            "6",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--tensorboard-dir",
+            "tb",
+            "--save",
+            "ck",
+            "--log-memory-to-tensorboard",
+        ],
+        tmp_path,
+    )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "--num-layers" in result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
@@ -103,6 +166,14 @@ def test_bad_input_starts_nothing_and_writes_nothing(tmp_path):
 def test_help_lists_the_flags(tmp_path):
     result = _pretrain(["--help"], REPO)
     assert result.returncode == 0
-    for flag in ("--pipeline-model-parallel-size", "--log-memory-to-tensorboard", "--tensorboard-dir",
-                 "--wandb-project", "--global-batch-size", "--nproc-per-node", "--save", "--load"):
+    for flag in (
+        "--pipeline-model-parallel-size",
+        "--log-memory-to-tensorboard",
+        "--tensorboard-dir",
+        "--wandb-project",
+        "--global-batch-size",
+        "--nproc-per-node",
+        "--save",
+        "--load",
+    ):
         assert flag in result.stdout

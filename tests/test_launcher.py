@@ -39,12 +39,20 @@ class Job:
 
     def __init__(self, args, cwd):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        self.proc = subprocess.Popen([sys.executable, PRETRAIN, *args], cwd=cwd, env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, PRETRAIN, *args],
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         self.out: list[str] = []
         self.err: list[str] = []
         for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=lambda s=stream, k=sink: k.extend(iter(s.readline, "")), daemon=True).start()
+            threading.Thread(
+                target=lambda s=stream, k=sink: k.extend(iter(s.readline, "")), daemon=True
+            ).start()
 
     def wait_for(self, text: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

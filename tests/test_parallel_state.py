@@ -21,8 +21,17 @@ def layouts(world: int):
             yield tp, pp, cp
 
 
-TOKENS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "mp": "tp-pp", "dp_cp": "dp-cp", "tp_dp": "tp-dp",
-          "tp_cp": "tp-cp", "tp_dp_cp": "tp-dp-cp"}
+TOKENS = {
+    "tp": "tp",
+    "pp": "pp",
+    "dp": "dp",
+    "cp": "cp",
+    "mp": "tp-pp",
+    "dp_cp": "dp-cp",
+    "tp_dp": "tp-dp",
+    "tp_cp": "tp-cp",
+    "tp_dp_cp": "tp-dp-cp",
+}
 
 
 def _megatron_core():
@@ -54,13 +63,18 @@ def check_all_layouts(rank: int, world: int, cases: list[dict]) -> int:
     checked = 0
     for case in cases:
         tp, pp, cp, dp = case["tp"], case["pp"], case["cp"], case["dp"]
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     context_parallel_size=cp)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
         expected = {name: _mine(groups, rank) for name, groups in case["groups"].items() if name != "embd"}
-        getters = {"tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
-                   "dp": ps.get_data_parallel_group(), "cp": ps.get_context_parallel_group(),
-                   "mp": ps.get_model_parallel_group(),
-                   "dp_cp": ps.get_data_parallel_group(with_context_parallel=True)}
+        getters = {
+            "tp": ps.get_tensor_model_parallel_group(),
+            "pp": ps.get_pipeline_model_parallel_group(),
+            "dp": ps.get_data_parallel_group(),
+            "cp": ps.get_context_parallel_group(),
+            "mp": ps.get_model_parallel_group(),
+            "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
+        }
         for name, group in getters.items():
             assert dist.get_process_group_ranks(group) == expected[name], (tp, pp, cp, name)
         for name in ("tp_dp", "tp_cp", "tp_dp_cp"):

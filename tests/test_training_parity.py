@@ -1,0 +1,66 @@
+"""Every parallel layout computes what one process computes: per-iteration lm loss parity."""
+
+from __future__ import annotations
+
+import pytest
+from dist_helpers import SMALL_MODEL, parse_losses, run_pretrain
+
+ITERS = 8
+
+
+def _losses(tmp_path, tp: int, pp: int, dp: int, extra=()) -> dict[int, float]:
+    args = [
+        *SMALL_MODEL,
+        "--train-iters",
+        str(ITERS),
+        "--log-interval",
+        "1",
+        "--seed",
+        "1234",
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        "--nproc-per-node",
+        str(tp * pp * dp),
+        *extra,
+    ]
+    result = run_pretrain(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    losses = parse_losses(result.stdout)
+    assert sorted(losses) == list(range(1, ITERS + 1)), result.stdout
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _losses(tmp_path_factory.mktemp("ref"), 1, 1, 1)
+
+
+def test_single_process_loss_falls(reference):
+    assert reference[ITERS] < reference[1] - 0.05
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)])
+def test_loss_matches_single_process(tmp_path, reference, tp, pp, dp):
+    losses = _losses(tmp_path, tp, pp, dp)
+    for it in range(1, ITERS + 1):
+        assert abs(losses[it] - reference[it]) <= 5e-4 * abs(reference[it]), (it, losses[it], reference[it])
+    assert losses[ITERS] < losses[1]
+
+
+def test_untied_embeddings_parity(tmp_path):
+    untie = ["--untie-embeddings-and-output-weights"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    single = _losses(tmp_path / "a", 1, 1, 1, untie)
+    pipelined = _losses(tmp_path / "b", 1, 2, 1, untie)
+    for it in range(1, ITERS + 1):
+        assert abs(pipelined[it] - single[it]) <= 5e-4 * abs(single[it])
+
+
+def test_bf16_trains_with_fp32_masters_close_to_fp32(tmp_path, reference):
+    bf16 = _losses(tmp_path, 1, 2, 1, ["--bf16"])
+    assert bf16[ITERS] < bf16[1]
+    for it in range(1, ITERS + 1):
+        assert abs(bf16[it] - reference[it]) <= 2e-2 * reference[it]
