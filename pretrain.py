@@ -39,12 +39,13 @@ def worker_main(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, _raise_exit)
 
     from megatron_lite.training.checkpointing import CheckpointError
+    from megatron_lite.training.state import LoggerStartupError
     from megatron_lite.training.gpt_step import forward_step
     from megatron_lite.training.pretrain import pretrain
 
     try:
         pretrain(config, forward_step)
-    except CheckpointError as err:
+    except (CheckpointError, LoggerStartupError) as err:
         _report(f"pretrain.py: error: {err}")
         return 2
     except KeyboardInterrupt:

@@ -95,5 +95,6 @@ def setup(state: GlobalState) -> SetupOutput:
     scheduler = get_optimizer_param_scheduler(config, optimizer)
     if config.checkpoint.load:
         checkpointing.load_checkpoint(state, model, optimizer, scheduler, pg_collection)
+    state.start_loggers()  # after loading: TensorBoard purges steps past the resumed iteration
     train_iter, valid_iter = build_data_iterators(config, state, pg_collection)
     return SetupOutput(state, model, optimizer, scheduler, train_iter, valid_iter, pg_collection)

@@ -33,6 +33,10 @@ class TrainState:
                 setattr(self, f.name, state[f.name])
 
 
+class LoggerStartupError(RuntimeError):
+    """A logger could not be created; ``str(err)`` is the one line shown to the user."""
+
+
 def _is_writer_rank() -> bool:
     """Loggers live on the last rank, as upstream: rank world_size - 1 (the last pipeline stage)."""
     if not dist.is_initialized():
@@ -99,6 +103,9 @@ class GlobalState:
             import mlflow
 
             if lg.mlflow_tracking_uri:
+                if lg.mlflow_tracking_uri.startswith("file:") or "://" not in lg.mlflow_tracking_uri:
+                    # Asking for a file store is asking for it: MLflow 3 otherwise refuses one.
+                    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
                 mlflow.set_tracking_uri(lg.mlflow_tracking_uri)
             mlflow.set_experiment(lg.mlflow_experiment)
             mlflow.start_run(run_name=lg.mlflow_run_name)
@@ -133,6 +140,21 @@ class GlobalState:
             experiment.set_name(lg.comet_experiment_name)
             self._comet_logger = experiment
         return self._comet_logger
+
+    def start_loggers(self) -> None:
+        """Create this rank's loggers now, so a bad setting fails at start-up on every rank together
+        instead of lazily on the writer while the others wait. Collective over the world."""
+        error = None
+        try:
+            for name in ("tensorboard_logger", "wandb_logger", "mlflow_logger", "comet_logger"):
+                getattr(self, name)
+        except Exception as err:  # any sink's own error type
+            error = f"could not start {name.split('_')[0]}: {type(err).__name__}: {str(err).splitlines()[0]}"
+        errors = [error] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_gather_object(errors, error)
+        if first := next((e for e in errors if e), None):
+            raise LoggerStartupError(first)
 
     def close_loggers(self, success: bool = True) -> None:
         """Flush and close every logger that was created. Safe to call more than once."""

@@ -18,6 +18,7 @@ from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
 from megatron_lite.training.utils.sig_utils import DistributedSignalHandler
 from megatron_lite.training.utils.train_utils import (
+    device_memory_capacity_gigabytes,
     format_memory_line,
     gather_memory_across_pp_group,
     reduce_max_memory_across_pp_group,
@@ -128,6 +129,8 @@ def training_log(
         else:
             peak = reduce_max_memory_across_pp_group(local_report, pg_collection.pp)
         metrics.update({f"memory/{k}": v for k, v in peak.items()})
+        if (capacity := device_memory_capacity_gigabytes()) is not None:
+            metrics["memory/capacity-gigabytes"] = capacity
 
     # 2. Loss: one data-parallel reduction per logged step, on the stage that has the loss.
     console_step = iteration % lg.log_interval == 0

@@ -88,6 +88,15 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict:
     return report
 
 
+def device_memory_capacity_gigabytes() -> float | None:
+    """This rank's accelerator memory in GB (1e9), or None without CUDA: host memory is shared by all
+    ranks on a machine, so it is no per-rank capacity."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return float(f"{total / 1e9:.5g}")
+    return None
+
+
 def _collective_device(group) -> torch.device:
     """The device a tensor must live on for a collective over ``group``: CUDA for NCCL, else CPU."""
     try:

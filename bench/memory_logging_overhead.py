@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""What pipeline-true memory logging costs.
+
+    python bench/memory_logging_overhead.py [--iters 20] [--pairs 3]
+
+1. End to end: `pretrain.py --pipeline-model-parallel-size 4` (the demo model, CPU) with and without
+   `--log-memory-to-tensorboard --tensorboard-log-interval 1`, alternated in pairs; median elapsed
+   time per iteration from the iteration lines (first two iterations skipped).
+2. The pieces, in a 4-process gloo world: report_memory(), the one bulk float64 MAX all-reduce of the
+   whole report, and the alternative of one all-reduce per key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, REPO)
+
+from megatron_lite.training.utils.train_utils import (  # noqa: E402
+    reduce_max_memory_across_pp_group,
+    report_memory,
+)
+
+ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
+PP, REPS = 4, 200
+
+
+def iteration_ms(extra: list[str], iters: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(REPO, "pretrain.py"),
+                "--pipeline-model-parallel-size",
+                str(PP),
+                "--train-iters",
+                str(iters),
+                *extra,
+            ],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    times = [float(ms) for it, ms in ELAPSED.findall(out) if int(it) > 2]
+    return statistics.median(times)
+
+
+def pieces(rank: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=PP)
+    group = dist.new_group(list(range(PP)))
+    report = report_memory()
+    timings = {}
+    start = time.perf_counter()
+    for _ in range(REPS):
+        report_memory()
+    timings["report_memory()"] = (time.perf_counter() - start) / REPS
+    for name, fn in (
+        ("one bulk all-reduce", lambda: reduce_max_memory_across_pp_group(report, group)),
+        (
+            "one all-reduce per key",
+            lambda: [
+                dist.all_reduce(
+                    torch.tensor([float(v)], dtype=torch.float64), op=dist.ReduceOp.MAX, group=group
+                )
+                for v in report.values()
+            ],
+        ),
+    ):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(REPS):
+            fn()
+        timings[name] = (time.perf_counter() - start) / REPS
+    queue.put((rank, len(report), timings))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--pairs", type=int, default=3)
+    args = parser.parse_args()
+
+    without, with_memory = [], []
+    for _ in range(args.pairs):
+        without.append(iteration_ms([], args.iters))
+        with_memory.append(
+            iteration_ms(["--log-memory-to-tensorboard", "--tensorboard-log-interval", "1"], args.iters)
+        )
+    base, logged = statistics.median(without), statistics.median(with_memory)
+    print(f"pp {PP}, CPU, demo model, {args.iters} iterations x {args.pairs} alternated pairs")
+    print(f"  iteration time without memory logging: {base:8.1f} ms")
+    print(f"  iteration time with memory logging:    {logged:8.1f} ms")
+    print(f"  ratio with / without: {logged / base:.4f} (end to end, includes machine noise)")
+
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=pieces, args=(r, port, queue)) for r in range(PP)]
+    for p in procs:
+        p.start()
+    rank, keys, timings = max(queue.get(timeout=600) for _ in range(PP))
+    for p in procs:
+        p.join()
+    print(f"pieces, {keys}-key report, {PP}-rank gloo group, mean of {REPS} (rank {rank}):")
+    for name, seconds in timings.items():
+        print(f"  {name:<24}{seconds * 1e6:10.1f} us")
+    bulk, per_key = timings["one bulk all-reduce"], timings["one all-reduce per key"]
+    print(f"  per-key / bulk all-reduce: {per_key / bulk:.2f}x")
+    added = timings["report_memory()"] + bulk
+    print(f"  added per logged step: {added * 1e3:.3f} ms = {100 * added * 1e3 / base:.3f}% of an iteration")
+
+
+if __name__ == "__main__":
+    main()

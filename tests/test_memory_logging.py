@@ -1,0 +1,224 @@
+"""Pipeline-true memory dashboards, end to end: real gloo runs, real event files, real sinks."""
+
+from __future__ import annotations
+
+import glob
+import os
+import zipfile
+
+import pytest
+import torch.distributed as dist
+from dist_helpers import REPO, SMALL_MODEL, run_pretrain, run_world
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb_offline import read_history
+
+PP, ITERS = 4, 4
+UNIFORM = [
+    "--pipeline-model-parallel-size",
+    str(PP),
+    "--num-layers",
+    "8",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--vocab-size",
+    "128",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--train-iters",
+    str(ITERS),
+]
+
+
+def scalars(logdir) -> dict[str, dict[int, float]]:
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def _train_recording_reports(rank, world, argv):
+    """Run the real pretrain() on this rank, recording every report this rank's training_log makes."""
+    import megatron_lite.training.training as training
+    from megatron_lite.training.arguments import parse_args
+    from megatron_lite.training.gpt_step import forward_step
+    from megatron_lite.training.pretrain import pretrain
+
+    recorded = []
+    real = training.report_memory
+
+    def recording(memory_keys=None):
+        report = real(memory_keys)
+        recorded.append(dict(report))
+        return report
+
+    training.report_memory = recording
+    pretrain(parse_args(argv), forward_step)
+    assert not dist.is_initialized()
+    return recorded
+
+
+@pytest.mark.parametrize("per_stage", [False, True], ids=["reduce", "per-stage-gather"])
+def test_logged_memory_is_the_max_of_every_stage_own_report(tmp_path, per_stage):
+    tb = tmp_path / "tb"
+    argv = [*UNIFORM, "--log-memory-to-tensorboard", "--tensorboard-dir", str(tb)]
+    if per_stage:
+        argv.append("--log-memory-per-pp-stage")
+    reports = run_world(_train_recording_reports, PP, argv)  # reports[rank][step - 1]
+    assert all(len(r) == ITERS for r in reports)
+    assert len(glob.glob(str(tb / "events.out.tfevents.*"))) == 1
+    logged = scalars(tb)
+    names = list(reports[0][0])
+    assert "mem-max-activation-gigabytes" in names and "mem-max-rss-gigabytes" in names
+    for step in range(1, ITERS + 1):
+        for name in names:
+            expected = max(reports[rank][step - 1][name] for rank in range(PP))
+            assert logged[f"memory/{name}"][step] == pytest.approx(expected, rel=1e-6), (step, name)
+            if per_stage:
+                for stage in range(PP):
+                    assert logged[f"memory/pp-stage-{stage}/{name}"][step] == pytest.approx(
+                        reports[stage][step - 1][name], rel=1e-6
+                    )
+    # 1F1B keeps pp - i microbatches alive on stage i: stage 0 holds the peak, about twice stage 2's.
+    peaks = [reports[rank][-1]["mem-max-activation-gigabytes"] for rank in range(PP)]
+    assert peaks[0] == max(peaks)
+    assert 1.8 <= peaks[0] / peaks[2] <= 2.2, peaks
+    assert logged["memory/mem-max-activation-gigabytes"][ITERS] == pytest.approx(peaks[0])
+
+
+def test_cli_run_writes_every_sink(tmp_path):
+    tb, wb, comet = tmp_path / "tb", tmp_path / "wb", tmp_path / "comet"
+    result = run_pretrain(
+        [
+            *UNIFORM,
+            "--log-memory-to-tensorboard",
+            "--tensorboard-dir",
+            str(tb),
+            "--wandb-project",
+            "megatron-lite-test",
+            "--wandb-exp-name",
+            "memory",
+            "--wandb-save-dir",
+            str(wb),
+            "--mlflow-experiment",
+            "memory",
+            "--mlflow-run-name",
+            "pp4",
+            "--mlflow-tracking-uri",
+            f"file:{tmp_path / 'mlruns'}",
+            "--comet-project",
+            "megatron-lite-test",
+            "--comet-experiment-name",
+            "memory",
+            "--comet-offline-directory",
+            str(comet),
+        ],
+        tmp_path,
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
+    assert result.returncode == 0, result.stderr
+    key = "memory/mem-max-activation-gigabytes"
+
+    # TensorBoard: one events file (the writer rank's), memory at every step.
+    assert len(list(tb.glob("events.out.tfevents.*"))) == 1
+    logged = scalars(tb)
+    assert sorted(logged[key]) == list(range(1, ITERS + 1))
+
+    # W&B offline: the run's transaction log holds the memory keys at every step.
+    runs = glob.glob(str(wb / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1
+    history = [row for row in read_history(runs[0]) if key in row]
+    assert [row["_step"] for row in history] == list(range(1, ITERS + 1))
+    assert history[-1][key] == pytest.approx(logged[key][ITERS])
+
+    # MLflow local file store.
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file:{tmp_path / 'mlruns'}")
+    run = client.search_runs([client.get_experiment_by_name("memory").experiment_id])[0]
+    assert run.info.status == "FINISHED" and run.info.run_name == "pp4"
+    metric = client.get_metric_history(run.info.run_id, key)
+    assert sorted(m.step for m in metric) == list(range(1, ITERS + 1))
+    assert {m.step: m.value for m in metric}[ITERS] == pytest.approx(logged[key][ITERS])
+
+    # Comet offline archive.
+    archives = list(comet.glob("*.zip"))
+    assert len(archives) == 1
+    with zipfile.ZipFile(archives[0]) as z:
+        assert any(key.encode() in z.read(name) for name in z.namelist())
+
+    # tools/memory_report.py over the same run.
+    import subprocess
+    import sys
+
+    png = tmp_path / "memory.png"
+    report = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(tb), "--png", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    line = next(ln for ln in report.stdout.splitlines() if ln.startswith("mem-max-activation-gigabytes"))
+    assert f"{logged[key][ITERS]:.6g}" in line
+    assert png.stat().st_size > 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_memory_flag_without_dir_logs_to_a_printed_default(tmp_path):
+    result = run_pretrain([*SMALL_MODEL, "--train-iters", "2", "--log-memory-to-tensorboard"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    line = next(ln for ln in result.stdout.splitlines() if "TensorBoard logs:" in ln)
+    logdir = tmp_path / line.split("TensorBoard logs:")[1].strip()
+    assert logdir.is_dir() and len(list(logdir.glob("events.out.tfevents.*"))) == 1
+    assert "memory/mem-max-activation-gigabytes" in scalars(logdir)
+    assert "memory per pipeline stage" in result.stdout
+
+
+def test_logger_that_cannot_start_fails_every_rank_with_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    result = run_pretrain(
+        [
+            *SMALL_MODEL,
+            "--pipeline-model-parallel-size",
+            "2",
+            "--train-iters",
+            "2",
+            "--tensorboard-dir",
+            str(tmp_path / "a_file" / "tb"),
+        ],
+        tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "could not start tensorboard" in result.stderr and "Traceback" not in result.stderr
+
+
+def _lazy_loggers(rank, world, logdir):
+    from megatron_lite.training.config import ConfigContainer
+    from megatron_lite.training.state import GlobalState
+
+    cfg = ConfigContainer()
+    cfg.logger.tensorboard_dir = logdir
+    state = GlobalState(cfg)
+    created_before = state._tensorboard_logger is not None
+    writer = state.tensorboard_logger
+    others = (state.wandb_logger, state.mlflow_logger, state.comet_logger)
+    if writer is not None:
+        writer.add_scalar("x", 1.0, 1)
+    state.close_loggers()
+    return created_before, writer is not None, others
+
+
+def test_loggers_are_created_lazily_on_the_last_rank_only(tmp_path):
+    results = run_world(_lazy_loggers, 2, str(tmp_path))
+    assert results[0] == (False, False, (None, None, None))
+    assert results[1] == (False, True, (None, None, None))
+    assert scalars(tmp_path)["x"] == {1: 1.0}

@@ -1,0 +1,179 @@
+"""report_memory, reduce_max_memory_across_pp_group and the per-stage gather."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed
+from dist_helpers import run_world
+
+from megatron_lite.training.utils import train_utils
+from megatron_lite.training.utils.activation_memory import ActivationMemoryTracker
+from megatron_lite.training.utils.train_utils import (
+    MEMORY_KEYS,
+    gather_memory_across_pp_group,
+    reduce_max_memory_across_pp_group,
+    report_memory,
+)
+
+REPORT = {"mem-max-allocated-gigabytes": 1.5, "mem-alloc-retries": 2, "mem-ooms": 0, "flag": True}
+
+
+class FakeGroup:
+    def __init__(self, size: int):
+        self._size = size
+        self.size_calls = 0
+
+    def size(self) -> int:
+        self.size_calls += 1
+        return self._size
+
+
+def _initialized(mocker):
+    mocker.patch("torch.distributed.is_available", return_value=True)
+    mocker.patch("torch.distributed.is_initialized", return_value=True)
+    mocker.patch("torch.distributed.get_backend", return_value="gloo")
+
+
+def test_empty_report_is_returned_without_touching_the_group(mocker):
+    _initialized(mocker)
+    all_reduce = mocker.patch("torch.distributed.all_reduce")
+    group = mocker.Mock()
+    report = {}
+    assert reduce_max_memory_across_pp_group(report, group) is report
+    all_reduce.assert_not_called()
+    assert group.mock_calls == []
+
+
+def test_uninitialized_or_unavailable_returns_input_without_touching_the_group(mocker):
+    all_reduce = mocker.patch("torch.distributed.all_reduce")
+    group = mocker.Mock()
+    mocker.patch("torch.distributed.is_available", return_value=True)
+    mocker.patch("torch.distributed.is_initialized", return_value=False)
+    assert reduce_max_memory_across_pp_group(REPORT, group) is REPORT
+    mocker.patch("torch.distributed.is_available", return_value=False)
+    assert reduce_max_memory_across_pp_group(REPORT, group) is REPORT
+    all_reduce.assert_not_called()
+    assert group.mock_calls == []
+
+
+def test_group_without_callable_size_means_no_collective(mocker):
+    _initialized(mocker)
+    all_reduce = mocker.patch("torch.distributed.all_reduce")
+    for group in (object(), None, mocker.Mock(spec=[]), type("G", (), {"size": 4})()):
+        assert reduce_max_memory_across_pp_group(REPORT, group) is REPORT
+    all_reduce.assert_not_called()
+
+
+def test_group_of_one_means_no_collective(mocker):
+    _initialized(mocker)
+    all_reduce = mocker.patch("torch.distributed.all_reduce")
+    group = FakeGroup(1)
+    assert reduce_max_memory_across_pp_group(REPORT, group) is REPORT
+    assert group.size_calls == 1
+    all_reduce.assert_not_called()
+
+
+def test_one_float64_max_all_reduce_in_key_order(mocker):
+    _initialized(mocker)
+    mocker.patch("torch.cuda.current_device", side_effect=AssertionError("gloo must not touch CUDA"))
+    seen = {}
+
+    def fake_all_reduce(tensor, op=None, group=None):
+        seen.update(tensor=tensor.clone(), op=op, group=group)
+        tensor.copy_(torch.tensor([3.25, 7.0, 1.0, 1.0], dtype=torch.float64))
+
+    all_reduce = mocker.patch("torch.distributed.all_reduce", side_effect=fake_all_reduce)
+    group = FakeGroup(4)
+    original = dict(REPORT)
+    out = reduce_max_memory_across_pp_group(REPORT, group)
+    assert all_reduce.call_count == 1
+    assert seen["op"] == torch.distributed.ReduceOp.MAX and seen["group"] is group
+    assert seen["tensor"].dtype == torch.float64 and seen["tensor"].device.type == "cpu"
+    assert seen["tensor"].tolist() == [1.5, 2.0, 0.0, 1.0]
+    assert out == {"mem-max-allocated-gigabytes": 3.25, "mem-alloc-retries": 7, "mem-ooms": 1, "flag": 1.0}
+    assert type(out["mem-alloc-retries"]) is int and type(out["mem-ooms"]) is int
+    assert type(out["flag"]) is float  # bools are not ints here
+    assert REPORT == original and out is not REPORT
+
+
+def test_nccl_group_reduces_on_the_current_cuda_device(mocker):
+    mocker.patch("torch.distributed.get_backend", return_value="nccl")
+    mocker.patch("torch.cuda.current_device", return_value=3)
+    assert train_utils._collective_device(FakeGroup(2)) == torch.device("cuda", 3)
+    mocker.patch("torch.distributed.get_backend", return_value="gloo")
+    assert train_utils._collective_device(FakeGroup(2)) == torch.device("cpu")
+
+
+def _reduce_in_real_world(rank, world):
+    group = torch.distributed.new_group(list(range(world)))
+    report = {
+        "mem-max-activation-gigabytes": 0.5 * (world - rank),
+        "mem-rss-gigabytes": 0.1 * rank,
+        "mem-alloc-retries": rank * 3,
+        "mem-ooms": 0,
+    }
+    reduced = reduce_max_memory_across_pp_group(report, group)
+    peak, stages = gather_memory_across_pp_group(report, group)
+    return report, reduced, peak, stages
+
+
+def test_real_gloo_world_of_four():
+    results = run_world(_reduce_in_real_world, 4)
+    reports = [r[0] for r in results]
+    expected = {k: max(r[k] for r in reports) for k in reports[0]}
+    for report, reduced, peak, stages in results:
+        assert reduced == expected == peak
+        assert type(reduced["mem-alloc-retries"]) is int
+        assert stages == reports
+        assert report != reduced or report == expected
+
+
+def test_report_memory_on_cpu_measures_rss_and_activations():
+    tracker = train_utils.ACTIVATION_MEMORY
+    x = torch.randn(256, 256, requires_grad=True)
+    with tracker.track():
+        y = (x * 2).exp().sum()
+    report = report_memory()
+    y.backward()
+    assert set(report) == {
+        "mem-rss-gigabytes",
+        "mem-max-rss-gigabytes",
+        "mem-activation-gigabytes",
+        "mem-max-activation-gigabytes",
+    }
+    assert 0 < report["mem-rss-gigabytes"] <= report["mem-max-rss-gigabytes"]
+    # exp saves its output (256 x 256 fp32); reported in GB rounded to 5 significant digits.
+    assert report["mem-activation-gigabytes"] == float(f"{256 * 256 * 4 / 1e9:.5g}")
+    assert all(v == float(f"{v:.5g}") for v in report.values())
+    assert report_memory()["mem-max-activation-gigabytes"] >= report["mem-activation-gigabytes"]
+
+
+def test_report_memory_on_cuda_converts_bytes_and_keeps_counters(mocker):
+    mocker.patch("torch.cuda.is_available", return_value=True)
+    mocker.patch("torch.cuda.is_initialized", return_value=True)
+    stats = {key: 123_456_789_012 for key in MEMORY_KEYS}
+    stats.update({"num_alloc_retries": 4, "num_ooms": 1, "allocation.all.current": 77})
+    mocker.patch("torch.cuda.memory_stats", return_value=stats)
+    report = report_memory()
+    assert report["mem-max-allocated-gigabytes"] == 123.46
+    assert report["mem-reserved-gigabytes"] == 123.46
+    assert report["mem-alloc-retries"] == 4 and type(report["mem-alloc-retries"]) is int
+    assert report["mem-ooms"] == 1 and report["mem-allocation-count"] == 77
+    assert "mem-max-activation-gigabytes" in report
+    assert not any(k.endswith("-bytes") for k in report)
+    only = report_memory({"num_alloc_retries": "mem-alloc-retries"})
+    assert only == {"mem-alloc-retries": 4}
+
+
+def test_activation_tracker_counts_each_storage_once_and_releases_it():
+    tracker = ActivationMemoryTracker()
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    tracker.exclude_parameters([weight])
+    x = torch.randn(32, 64, requires_grad=True)
+    with tracker.track():
+        h = x @ weight  # saves x and weight (weight excluded)
+        out = (h * h).sum()  # saves h twice: one storage
+    assert tracker.current_bytes == x.numel() * 4 + h.numel() * 4
+    out.backward()
+    assert tracker.current_bytes == 0
+    assert tracker.peak_bytes == x.numel() * 4 + h.numel() * 4

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Summarise the memory a run logged to TensorBoard.
+
+    python tools/memory_report.py TENSORBOARD_DIR [--png FILE]
+
+For every memory metric: its peak over the run, which pipeline stage holds it (needs a run with
+--log-memory-per-pp-stage; otherwise the logged value is already the pipeline-wide max and the stage is
+unknown) and the headroom left where the device capacity was logged (CUDA runs). With --png, plots each
+metric over iterations, one line per stage (needs matplotlib: pip install 'megatron_lite[plot]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections import defaultdict
+
+STAGE_TAG = re.compile(r"^memory/pp-stage-(\d+)/(.+)$")
+CAPACITY = "memory/capacity-gigabytes"
+
+
+def load_memory_scalars(logdir: str) -> tuple[dict, dict, dict]:
+    """(pipeline max series, per-stage series, capacity series) keyed by metric name; each series is
+    a sorted list of (step, value)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(logdir, size_guidance={"scalars": 0})
+    acc.Reload()
+    pipeline, stages, capacity = {}, defaultdict(dict), []
+    for tag in acc.Tags().get("scalars", []):
+        if not tag.startswith("memory/"):
+            continue
+        series = sorted((e.step, e.value) for e in acc.Scalars(tag))
+        if tag == CAPACITY:
+            capacity = series
+        elif m := STAGE_TAG.match(tag):
+            stages[m.group(2)][int(m.group(1))] = series
+        else:
+            pipeline[tag[len("memory/") :]] = series
+    return pipeline, dict(stages), capacity
+
+
+def summarize(pipeline: dict, stages: dict, capacity: list) -> list[dict]:
+    rows = []
+    cap = max((v for _, v in capacity), default=None)
+    for name in sorted(set(pipeline) | set(stages)):
+        per_stage = stages.get(name, {})
+        if per_stage:
+            stage, (step, peak) = max(
+                ((s, max(ser, key=lambda e: e[1])) for s, ser in per_stage.items()), key=lambda x: x[1][1]
+            )
+        else:
+            stage, (step, peak) = None, max(pipeline[name], key=lambda e: e[1])
+        headroom = cap - peak if cap is not None and "gigabytes" in name else None
+        rows.append({"metric": name, "peak": peak, "step": step, "stage": stage, "headroom": headroom})
+    return rows
+
+
+def print_table(rows: list[dict], out=sys.stdout) -> None:
+    print(f"{'metric':<36}{'peak':>12}{'at step':>9}  {'stage':<28}{'headroom (GB)':>14}", file=out)
+    for r in rows:
+        stage = f"pp stage {r['stage']}" if r["stage"] is not None else "n/a (no --log-memory-per-pp-stage)"
+        headroom = f"{r['headroom']:.3f}" if r["headroom"] is not None else "unknown"
+        print(f"{r['metric']:<36}{r['peak']:>12.6g}{r['step']:>9}  {stage:<28}{headroom:>14}", file=out)
+
+
+def plot(pipeline: dict, stages: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted(set(pipeline) | set(stages))
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 2.6 * len(names)), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        for stage, series in sorted(stages.get(name, {}).items()):
+            ax.plot([s for s, _ in series], [v for _, v in series], label=f"stage {stage}")
+        if name in pipeline:
+            ax.plot(
+                [s for s, _ in pipeline[name]], [v for _, v in pipeline[name]], "k--", label="pipeline max"
+            )
+        ax.set_title(name)
+        ax.set_xlabel("iteration")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Peak memory per metric and stage from TensorBoard events.")
+    parser.add_argument("logdir", help="the run's --tensorboard-dir")
+    parser.add_argument("--png", help="write a plot of memory over iterations, one line per stage")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.logdir):
+        print(f"memory_report.py: error: {args.logdir} is not a directory", file=sys.stderr)
+        return 2
+    pipeline, stages, capacity = load_memory_scalars(args.logdir)
+    if not pipeline and not stages:
+        print(
+            f"memory_report.py: error: no memory/* scalars in {args.logdir}; "
+            "was the run started with --log-memory-to-tensorboard?",
+            file=sys.stderr,
+        )
+        return 2
+    print_table(summarize(pipeline, stages, capacity))
+    if args.png:
+        try:
+            plot(pipeline, stages, args.png)
+        except ImportError:
+            print(
+                "memory_report.py: error: --png needs matplotlib: pip install 'megatron_lite[plot]'",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"plot written to {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
