@@ -39,9 +39,9 @@ def worker_main(argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, _raise_exit)
 
     from megatron_lite.training.checkpointing import CheckpointError
-    from megatron_lite.training.state import LoggerStartupError
     from megatron_lite.training.gpt_step import forward_step
     from megatron_lite.training.pretrain import pretrain
+    from megatron_lite.training.state import LoggerStartupError
 
     try:
         pretrain(config, forward_step)
