@@ -2,7 +2,7 @@
 
 Layout: ``DIR/iter_0000010/mp_rank_XX[_YYY]/model_optim_rng.pt`` per (tensor, pipeline) rank, written
 by data-parallel rank 0 (``_YYY`` only with pipeline parallelism, as Megatron names them), and
-``DIR/latest_checkpointed_iteration.txt``. A save goes into a temporary directory that is renamed into
+``DIR/latest_checkpointed_iteration.txt``; ``iter_*/metadata.json`` records the parallel layout. A save goes into a temporary directory that is renamed into
 place once every shard is on disk; the tracker is replaced last. A crash mid-save leaves the previous
 checkpoint and tracker untouched.
 """
@@ -10,9 +10,11 @@ checkpoint and tracker untouched.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,10 @@ import torch.distributed as dist
 from megatron_lite.core import parallel_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "metadata.json"
 CHECKPOINT_VERSION = 3.0
+# Fault-injection tests widen the window between writing the shards and committing them.
+_TEST_DELAY_BEFORE_COMMIT_S = float(os.environ.get("MEGATRON_LITE_TEST_SAVE_DELAY_S", "0"))
 
 
 class CheckpointError(RuntimeError):
@@ -102,7 +107,9 @@ def save_checkpoint(state, model, optimizer, scheduler, pg_collection) -> None:
     tmp_root = os.path.join(root, f".tmp_iter_{iteration:07d}")
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp_root, ignore_errors=True)
+        for name in os.listdir(root):  # leftovers of saves that were killed part-way
+            if name.startswith(".tmp_iter_") or name.endswith(".old"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         os.makedirs(tmp_root)
     dist.barrier()
     if parallel_state.get_data_parallel_rank() == 0:
@@ -121,7 +128,14 @@ def save_checkpoint(state, model, optimizer, scheduler, pg_collection) -> None:
         }
         _atomic_write_bytes(path, lambda f: torch.save(payload, f))
         _fsync_dir(os.path.dirname(path))
+    if dist.get_rank() == 0:
+        metadata = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, **_layout()}
+        _atomic_write_bytes(
+            os.path.join(tmp_root, METADATA), lambda f: f.write(json.dumps(metadata).encode())
+        )
     dist.barrier()
+    if _TEST_DELAY_BEFORE_COMMIT_S:
+        time.sleep(_TEST_DELAY_BEFORE_COMMIT_S)
     if dist.get_rank() == 0:
         _fsync_dir(tmp_root)
         if os.path.exists(final_dir):  # re-saving an iteration: keep the old one until the new is in place
@@ -161,38 +175,52 @@ def read_tracker(root: str) -> int | None:
     return iteration
 
 
+def _layout_error(root: str, saved: dict, current: dict) -> str:
+    return (
+        f"--load {root}: saved with tp={saved.get('tensor_model_parallel_size')}, "
+        f"pp={saved.get('pipeline_model_parallel_size')} but this run uses "
+        f"tp={current['tensor_model_parallel_size']}, pp={current['pipeline_model_parallel_size']}; "
+        "resume with the saved layout"
+    )
+
+
+def _layout_differs(saved: dict, current: dict) -> bool:
+    return any(
+        saved.get(k) != current[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    )
+
+
+def _check_layout(root: str, iteration: int) -> None:
+    """Refuse a checkpoint of another (tp, pp) layout before looking for this rank's shard."""
+    path = os.path.join(root, f"iter_{iteration:07d}", METADATA)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"--load {root}: iteration {iteration} is incomplete (no {METADATA})") from None
+    except (OSError, ValueError):
+        raise CheckpointError(f"--load {root}: iteration {iteration} has an unreadable {METADATA}") from None
+    if not isinstance(saved, dict) or _layout_differs(saved, _layout()):
+        raise CheckpointError(_layout_error(root, saved if isinstance(saved, dict) else {}, _layout()))
+
+
 def _load_shard(root: str, iteration: int) -> dict:
-    path = os.path.join(root, f"iter_{iteration:07d}", _my_shard_name(), "model_optim_rng.pt")
+    shard = os.path.join(f"iter_{iteration:07d}", _my_shard_name(), "model_optim_rng.pt")
+    path = os.path.join(root, shard)
     if not os.path.exists(path):
-        layouts = (
-            sorted(os.listdir(os.path.dirname(os.path.dirname(path))))
-            if os.path.isdir(os.path.dirname(os.path.dirname(path)))
-            else []
-        )
         raise CheckpointError(
-            f"--load {root}: iteration {iteration} has no shard {os.path.relpath(path, root)} "
-            f"(found {', '.join(layouts) or 'nothing'}); was it saved with another parallel layout?"
+            f"--load {root}: iteration {iteration} has no shard {shard}; the checkpoint is incomplete"
         )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # torch raises many types for truncated or garbage files
         raise CheckpointError(
-            f"--load {root}: cannot read {os.path.relpath(path, root)} ({type(err).__name__}); "
-            "the file is corrupt or truncated"
+            f"--load {root}: cannot read {shard} ({type(err).__name__}); the file is corrupt or truncated"
         ) from None
     if not isinstance(payload, dict) or "model" not in payload:
-        raise CheckpointError(
-            f"--load {root}: {os.path.relpath(path, root)} is not a megatron_lite checkpoint"
-        )
-    saved, current = payload.get("parallel_layout", {}), _layout()
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if saved.get(key) != current[key]:
-            raise CheckpointError(
-                f"--load {root}: saved with tp={saved.get('tensor_model_parallel_size')}, "
-                f"pp={saved.get('pipeline_model_parallel_size')} but this run uses "
-                f"tp={current['tensor_model_parallel_size']}, pp={current['pipeline_model_parallel_size']}; "
-                "resume with the saved layout"
-            )
+        raise CheckpointError(f"--load {root}: {shard} is not a megatron_lite checkpoint")
+    if _layout_differs(payload.get("parallel_layout", {}), _layout()):
+        raise CheckpointError(_layout_error(root, payload.get("parallel_layout", {}), _layout()))
     return payload
 
 
@@ -212,6 +240,7 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
     try:
         iteration = read_tracker(cfg.load)
         if iteration is not None:
+            _check_layout(cfg.load, iteration)
             payload = _load_shard(cfg.load, iteration)
     except CheckpointError as err:
         error = str(err)
