@@ -50,6 +50,8 @@ def worker_main(argv: list[str]) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except SystemExit as stop:  # SIGTERM without --exit-signal-handler (see _raise_exit)
+        return stop.code if isinstance(stop.code, int) else 1
     except Exception:
         rank = os.environ.get("RANK", "?")
         _report(f"pretrain.py: rank {rank} failed:\n{traceback.format_exc().rstrip()}")
@@ -78,4 +80,11 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    if code != 0 and "RANK" in os.environ:
+        # A failed worker may still hold live process groups whose C++ teardown at interpreter exit
+        # can abort; the loggers are already closed, so leave now with the real exit code.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

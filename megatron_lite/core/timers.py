@@ -29,10 +29,15 @@ class Timer:
         self._start = None
 
     def elapsed(self, reset: bool = True) -> float:
-        """Seconds accumulated since the last reset."""
+        """Seconds accumulated since the last reset, including a running segment (which goes on)."""
+        running = self._start is not None
+        if running:
+            self.stop()
         value = self._elapsed
         if reset:
             self._elapsed = 0.0
+        if running:
+            self.start()
         return value
 
 
@@ -51,5 +56,7 @@ class Timers:
             self._timers[name] = Timer(name)
         return self._timers[name]
 
-    def elapsed_times(self, reset: bool = True) -> dict[str, float]:
-        return {name: t.elapsed(reset) for name, t in self._timers.items()}
+    def elapsed_times(self, names: list[str] | None = None, reset: bool = True) -> dict[str, float]:
+        """Seconds accumulated by each named timer (all timers when ``names`` is None)."""
+        chosen = self._timers if names is None else {n: self._timers[n] for n in names if n in self._timers}
+        return {name: t.elapsed(reset) for name, t in chosen.items()}

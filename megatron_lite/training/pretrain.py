@@ -8,8 +8,12 @@ from megatron_lite.core import parallel_state
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.setup import setup
 from megatron_lite.training.state import GlobalState
-from megatron_lite.training.training import print_rank_last, train
-from megatron_lite.training.utils.train_utils import gather_memory_across_pp_group, report_memory
+from megatron_lite.training.training import train
+from megatron_lite.training.utils.train_utils import (
+    gather_memory_across_pp_group,
+    print_rank_last,
+    report_memory,
+)
 
 
 def _print_layout(config: ConfigContainer) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from datetime import datetime
 
 import torch
@@ -13,6 +14,7 @@ from megatron_lite.core import parallel_state
 from megatron_lite.core.pipeline_parallel import get_forward_backward_func
 from megatron_lite.training import checkpointing
 from megatron_lite.training.config import ConfigContainer
+from megatron_lite.training.eval import evaluate_and_print_results
 from megatron_lite.training.state import GlobalState
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
@@ -21,6 +23,8 @@ from megatron_lite.training.utils.train_utils import (
     device_memory_capacity_gigabytes,
     format_memory_line,
     gather_memory_across_pp_group,
+    mean_over_dp,
+    print_rank_last,
     reduce_max_memory_across_pp_group,
     report_memory,
 )
@@ -28,26 +32,10 @@ from megatron_lite.training.utils.train_utils import (
 ADVANCED, SKIPPED, NAN = "advanced iterations", "skipped iterations", "nan iterations"
 
 
-def print_rank_last(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
-        print(message, flush=True)
-
-
 def _loggers_configured(config: ConfigContainer) -> bool:
     """Whether any sink is configured: the same answer on every rank, unlike 'does my rank log'."""
     lg = config.logger
     return bool(lg.tensorboard_dir or lg.wandb_project or lg.mlflow_experiment or lg.comet_project)
-
-
-def _mean_over_dp(values: list[torch.Tensor], dp_group) -> list[float]:
-    """Average scalars over the data-parallel group in one all-reduce. Collective over ``dp_group``."""
-    if not values:
-        return []
-    stacked = torch.stack([v.detach().double().reshape(()) for v in values])
-    if dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(stacked, group=dp_group)
-        stacked /= dist.get_world_size(dp_group)
-    return stacked.tolist()
 
 
 def train_step(
@@ -139,7 +127,7 @@ def training_log(
     current, interval = {}, {}
     if parallel_state.is_pipeline_last_stage() and (console_step or write_step):
         cur_keys = list(loss_dict)
-        reduced = _mean_over_dp(
+        reduced = mean_over_dp(
             [loss_dict[k] for k in cur_keys] + [total_loss_dict[k] for k in loss_keys], pg_collection.dp
         )
         current, interval = dict(zip(cur_keys, reduced)), dict(zip(loss_keys, reduced[len(cur_keys) :]))
@@ -158,9 +146,8 @@ def training_log(
         if params_norm is not None:
             metrics["params-norm"] = params_norm
         if lg.log_timers_to_tensorboard:
-            metrics.update(
-                {f"{name}-time": t._elapsed for name, t in timers._timers.items() if name != "interval-time"}
-            )
+            spent = timers.elapsed_times(["forward-backward", "optimizer"], reset=True)
+            metrics.update({f"{name}-time": seconds for name, seconds in spent.items()})
         if lg.log_throughput and global_state.last_iteration_time:
             metrics["throughput"] = tokens / global_state.last_iteration_time
         writer.write(metrics, iteration)
@@ -208,49 +195,6 @@ def training_log(
     return report_memory_flag
 
 
-def evaluate(
-    forward_step_func, data_iterator, model, config: ConfigContainer, global_state: GlobalState, pg_collection
-) -> dict[str, float]:
-    """Forward-only over eval_iters global batches; returns the loss averaged over them and DP ranks.
-    Collective over the pipeline and data-parallel groups."""
-    forward_backward = get_forward_backward_func(config.model.pipeline_model_parallel_size)
-    totals: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for _ in range(config.train.eval_iters):
-            losses = forward_backward(
-                forward_step_func=forward_step_func,
-                data_iterator=data_iterator,
-                model=model,
-                num_microbatches=config.num_microbatches,
-                seq_length=config.dataset.sequence_length,
-                micro_batch_size=config.train.micro_batch_size,
-                forward_only=True,
-                pg_collection=pg_collection,
-            )
-            global_state.train_state.consumed_valid_samples += config.train.global_batch_size
-            for key in losses[0] if losses else {}:
-                totals[key] = totals.get(key, 0.0) + torch.stack([x[key] for x in losses]).mean()
-    if not parallel_state.is_pipeline_last_stage():
-        return {}
-    keys = list(totals)
-    means = _mean_over_dp([totals[k] / config.train.eval_iters for k in keys], pg_collection.dp)
-    return dict(zip(keys, means))
-
-
-def evaluate_and_print_results(forward_step_func, data_iterator, model, config, global_state, pg_collection):
-    results = evaluate(forward_step_func, data_iterator, model, config, global_state, pg_collection)
-    iteration = global_state.train_state.step
-    if results:
-        line = f" validation loss at iteration {iteration} |"
-        metrics = {}
-        for key, value in results.items():
-            ppl = math.exp(min(20.0, value))
-            line += f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |"
-            metrics.update({f"{key} validation": value, f"{key} validation ppl": ppl})
-        print_rank_last(line)
-        MetricsWriter.from_state(global_state).write(metrics, iteration)
-
-
 def train(forward_step_func, setup_output) -> None:
     """Run iterations until train_iters, exit_interval or an agreed SIGTERM; save as configured."""
     s = setup_output
@@ -270,7 +214,7 @@ def train(forward_step_func, setup_output) -> None:
     with handler:
         timers("interval-time", log_level=0).start()
         while ts.step < config.train.train_iters:
-            start = timers("interval-time")._elapsed
+            start = time.perf_counter()
             loss_dict, skipped, grad_norm, num_zeros = train_step(
                 forward_step_func,
                 s.train_data_iterator,
@@ -284,9 +228,8 @@ def train(forward_step_func, setup_output) -> None:
             ts.step += 1
             ts.consumed_train_samples += config.train.global_batch_size
             ts.skipped_train_samples += skipped * config.train.global_batch_size
-            timers("interval-time").stop()
-            state.last_iteration_time = timers("interval-time")._elapsed - start
-            timers("interval-time").start()
+            state.last_iteration_time = time.perf_counter() - start
+            params_norm = s.optimizer.get_params_norm() if config.logger.log_params_norm else None
             report_memory_flag = training_log(
                 loss_dict,
                 total_loss_dict,
@@ -295,7 +238,7 @@ def train(forward_step_func, setup_output) -> None:
                 report_memory_flag,
                 skipped,
                 grad_norm,
-                None,
+                params_norm,
                 num_zeros,
                 config,
                 state,

@@ -55,6 +55,16 @@ class MegatronOptimizer:
             if not getattr(p, "shared", False) and param_is_not_tensor_parallel_duplicate(p, self.tp_rank)
         ]
 
+    def get_params_norm(self) -> float:
+        """L2 norm of the fp32 master weights over all model-parallel ranks. Collective over the
+        model-parallel group."""
+        params = [
+            m.detach()
+            for p, m in zip(self.params, self.masters)
+            if not getattr(p, "shared", False) and param_is_not_tensor_parallel_duplicate(p, self.tp_rank)
+        ]
+        return get_grad_norm_fp32(params, self.model_parallel_group)
+
     @torch.no_grad()
     def step(self) -> tuple[bool, float, None]:
         """Clip and apply one update. Collective over the model-parallel group (for the grad norm).

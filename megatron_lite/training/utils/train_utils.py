@@ -1,4 +1,5 @@
-"""Memory reports, and their reduction across the pipeline so the writer rank logs the true peak."""
+"""Memory reports and their reduction across the pipeline (so the writer rank logs the true peak),
+plus the loop's small collective helpers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 import torch
 import torch.distributed
+import torch.distributed as dist
 
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 
@@ -171,3 +173,19 @@ def format_memory_line(rank: int, iteration: int, memory_report: dict) -> str:
     """Megatron's console memory line for one rank."""
     parts = " | ".join(f"{name}: {value}" for name, value in memory_report.items())
     return f"[Rank {rank}] (after {iteration} iterations) memory (GB) | {parts}"
+
+
+def print_rank_last(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+        print(message, flush=True)
+
+
+def mean_over_dp(values: list[torch.Tensor], dp_group) -> list[float]:
+    """Average scalars over the data-parallel group in one all-reduce. Collective over ``dp_group``."""
+    if not values:
+        return []
+    stacked = torch.stack([v.detach().double().reshape(()) for v in values])
+    if dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(stacked, group=dp_group)
+        stacked /= dist.get_world_size(dp_group)
+    return stacked.tolist()

@@ -1,0 +1,57 @@
+"""Validation: forward-only passes over held-out synthetic batches."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_lite.core import parallel_state
+from megatron_lite.core.pipeline_parallel import get_forward_backward_func
+from megatron_lite.training.config import ConfigContainer
+from megatron_lite.training.state import GlobalState
+from megatron_lite.training.utils.metrics_writer import MetricsWriter
+from megatron_lite.training.utils.train_utils import mean_over_dp, print_rank_last
+
+
+def evaluate(
+    forward_step_func, data_iterator, model, config: ConfigContainer, global_state: GlobalState, pg_collection
+) -> dict[str, float]:
+    """Forward-only over eval_iters global batches; returns the loss averaged over them and DP ranks.
+    Collective over the pipeline and data-parallel groups."""
+    forward_backward = get_forward_backward_func(config.model.pipeline_model_parallel_size)
+    totals: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for _ in range(config.train.eval_iters):
+            losses = forward_backward(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=config.num_microbatches,
+                seq_length=config.dataset.sequence_length,
+                micro_batch_size=config.train.micro_batch_size,
+                forward_only=True,
+                pg_collection=pg_collection,
+            )
+            global_state.train_state.consumed_valid_samples += config.train.global_batch_size
+            for key in losses[0] if losses else {}:
+                totals[key] = totals.get(key, 0.0) + torch.stack([x[key] for x in losses]).mean()
+    if not parallel_state.is_pipeline_last_stage():
+        return {}
+    keys = list(totals)
+    means = mean_over_dp([totals[k] / config.train.eval_iters for k in keys], pg_collection.dp)
+    return dict(zip(keys, means))
+
+
+def evaluate_and_print_results(forward_step_func, data_iterator, model, config, global_state, pg_collection):
+    results = evaluate(forward_step_func, data_iterator, model, config, global_state, pg_collection)
+    iteration = global_state.train_state.step
+    if results:
+        line = f" validation loss at iteration {iteration} |"
+        metrics = {}
+        for key, value in results.items():
+            ppl = math.exp(min(20.0, value))
+            line += f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |"
+            metrics.update({f"{key} validation": value, f"{key} validation ppl": ppl})
+        print_rank_last(line)
+        MetricsWriter.from_state(global_state).write(metrics, iteration)
