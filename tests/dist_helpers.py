@@ -17,30 +17,11 @@ REPO = Path(__file__).resolve().parent.parent
 PRETRAIN = str(REPO / "pretrain.py")
 
 # A model small enough that a multi-process job takes seconds on two cores.
-SMALL_MODEL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--vocab-size",
-    "256",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--lr",
-    "1e-3",
-    "--min-lr",
-    "1e-4",
-    "--lr-warmup-iters",
-    "2",
-]
+SMALL_MODEL = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--vocab-size 256 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 2 "
+    "--log-interval 1"
+).split()
 
 
 def free_port() -> int:

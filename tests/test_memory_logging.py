@@ -13,28 +13,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from wandb_offline import read_history
 
 PP, ITERS = 4, 4
-UNIFORM = [
-    "--pipeline-model-parallel-size",
-    str(PP),
-    "--num-layers",
-    "8",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--vocab-size",
-    "128",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "16",
-    "--train-iters",
-    str(ITERS),
-]
+UNIFORM = (
+    f"--pipeline-model-parallel-size {PP} --num-layers 8 --hidden-size 64 --num-attention-heads 4 "
+    "--seq-length 64 --max-position-embeddings 64 --vocab-size 128 --micro-batch-size 2 --global-batch-size 16 "
+    f"--train-iters {ITERS}"
+).split()
 
 
 def scalars(logdir) -> dict[str, dict[int, float]]:

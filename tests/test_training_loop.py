@@ -18,9 +18,26 @@ ITERATION_LINE = re.compile(
 
 def test_iteration_lines_validation_and_metrics(tmp_path):
     result = run_pretrain(
-        [*SMALL_MODEL, "--pipeline-model-parallel-size", "2", "--nproc-per-node", "4", "--train-iters", "6",
-         "--log-interval", "2", "--eval-interval", "3", "--eval-iters", "2", "--log-params-norm",
-         "--log-throughput", "--log-timers-to-tensorboard", "--tensorboard-dir", "tb"],
+        [
+            *SMALL_MODEL,
+            "--pipeline-model-parallel-size",
+            "2",
+            "--nproc-per-node",
+            "4",
+            "--train-iters",
+            "6",
+            "--log-interval",
+            "2",
+            "--eval-interval",
+            "3",
+            "--eval-iters",
+            "2",
+            "--log-params-norm",
+            "--log-throughput",
+            "--log-timers-to-tensorboard",
+            "--tensorboard-dir",
+            "tb",
+        ],
         tmp_path,
     )
     assert result.returncode == 0, result.stderr
@@ -36,8 +53,17 @@ def test_iteration_lines_validation_and_metrics(tmp_path):
     assert len(memory_lines) == 2  # data-parallel rank 0 of each of the two stages
 
     logged = scalars(tmp_path / "tb")
-    for tag in ("lm loss", "learning-rate", "batch-size", "grad-norm", "params-norm", "loss-scale",
-                "throughput", "forward-backward-time", "optimizer-time"):
+    for tag in (
+        "lm loss",
+        "learning-rate",
+        "batch-size",
+        "grad-norm",
+        "params-norm",
+        "loss-scale",
+        "throughput",
+        "forward-backward-time",
+        "optimizer-time",
+    ):
         assert sorted(logged[tag]) == list(range(1, 7)), tag
     assert sorted(logged["lm loss validation"]) == [3, 6]
     assert logged["batch-size"][1] == 8

@@ -30,8 +30,8 @@ class TrainingConfig:
     """Samples per microbatch on one data-parallel rank."""
     global_batch_size: int = 16
     """Samples per iteration across all data-parallel ranks and microbatches."""
-    train_iters: int = 30
-    """Iterations to train."""
+    train_iters: int = 100
+    """Iterations to train (the default demo: about a minute on two CPU cores)."""
     exit_interval: int | None = None
     """Stop (after saving, when --save is set) once the iteration is a multiple of this."""
     exit_signal_handler: bool = False
@@ -74,7 +74,7 @@ class GPTDatasetConfig:
 class LoggerConfig:
     """Console, TensorBoard, W&B, MLflow and Comet logging."""
 
-    log_interval: int = 1
+    log_interval: int = 10
     """Iterations between console iteration lines."""
     log_throughput: bool = False
     """Print and log tokens/s."""
