@@ -74,6 +74,52 @@ def train_step(
     return loss_dict, int(not update_successful), grad_norm, num_zeros
 
 
+def _memory_metrics(lg, pp_group) -> tuple[dict[str, float], dict]:
+    """This rank's report and the ``memory/*`` metrics: every key's max over the pipeline stages, and
+    with --log-memory-per-pp-stage each stage's own value. Collective over ``pp_group``."""
+    local_report = report_memory(lg.memory_keys)
+    metrics: dict[str, float] = {}
+    if lg.log_memory_per_pp_stage:
+        peak, stages = gather_memory_across_pp_group(local_report, pp_group)
+        for stage, report in enumerate(stages):
+            metrics.update({f"memory/pp-stage-{stage}/{k}": v for k, v in report.items()})
+    else:
+        peak = reduce_max_memory_across_pp_group(local_report, pp_group)
+    metrics.update({f"memory/{k}": v for k, v in peak.items()})
+    if (capacity := device_memory_capacity_gigabytes()) is not None:
+        metrics["memory/capacity-gigabytes"] = capacity
+    return metrics, local_report
+
+
+def _iteration_line(
+    config, ts, learning_rate, loss_scale, grad_norm, params_norm, per_iter, interval_losses, counts
+) -> str:
+    """Megatron's console line for the interval ending at this iteration."""
+    tokens_per_s = (
+        config.train.global_batch_size * config.dataset.sequence_length / per_iter if per_iter else 0.0
+    )
+    line = (
+        f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {ts.step:8d}/{config.train.train_iters:8d} |"
+        f" consumed samples: {ts.consumed_train_samples:12d} |"
+        f" elapsed time per iteration (ms): {per_iter * 1000.0:.1f} |"
+        f" throughput (tokens/s): {tokens_per_s:.1f} |"
+        f" learning rate: {learning_rate:.6E} |"
+        f" global batch size: {config.train.global_batch_size:5d} |"
+    )
+    for key, total in interval_losses.items():
+        avg = total / max(1, counts[ADVANCED])
+        if avg > 0.0:
+            line += f" {key}: {avg:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
+    return line + (
+        f" number of skipped iterations: {counts[SKIPPED]:3d} | number of nan iterations: {counts[NAN]:3d} |"
+    )
+
+
 def training_log(
     loss_dict,
     total_loss_dict,
@@ -106,36 +152,26 @@ def training_log(
 
     # 1. Memory: collective over the pipeline group, on every stage, before any writer check.
     tb_step = iteration % lg.tensorboard_log_interval == 0
-    metrics: dict[str, float] = {}
-    local_report = None
-    if lg.log_memory_to_tensorboard and tb_step:
-        local_report = report_memory(lg.memory_keys)
-        if lg.log_memory_per_pp_stage:
-            peak, stages = gather_memory_across_pp_group(local_report, pg_collection.pp)
-            for stage, report in enumerate(stages):
-                metrics.update({f"memory/pp-stage-{stage}/{k}": v for k, v in report.items()})
-        else:
-            peak = reduce_max_memory_across_pp_group(local_report, pg_collection.pp)
-        metrics.update({f"memory/{k}": v for k, v in peak.items()})
-        if (capacity := device_memory_capacity_gigabytes()) is not None:
-            metrics["memory/capacity-gigabytes"] = capacity
+    metrics, local_report = (
+        _memory_metrics(lg, pg_collection.pp) if lg.log_memory_to_tensorboard and tb_step else ({}, None)
+    )
 
-    # 2. Loss: one data-parallel reduction per logged step, on the stage that has the loss.
+    # 2. Loss: one data-parallel reduction per logged step, on the stage that holds the loss.
     console_step = iteration % lg.log_interval == 0
-    write_step = tb_step and _loggers_configured(config)
     loss_keys = [k for k in total_loss_dict if k not in (ADVANCED, SKIPPED, NAN)]
     current, interval = {}, {}
-    if parallel_state.is_pipeline_last_stage() and (console_step or write_step):
-        cur_keys = list(loss_dict)
+    last_stage = dist.get_rank(pg_collection.pp) == dist.get_world_size(pg_collection.pp) - 1
+    if last_stage and (console_step or (tb_step and _loggers_configured(config))):
+        keys = list(loss_dict)
         reduced = mean_over_dp(
-            [loss_dict[k] for k in cur_keys] + [total_loss_dict[k] for k in loss_keys], pg_collection.dp
+            [loss_dict[k] for k in keys] + [total_loss_dict[k] for k in loss_keys], pg_collection.dp
         )
-        current, interval = dict(zip(cur_keys, reduced)), dict(zip(loss_keys, reduced[len(cur_keys) :]))
+        current, interval = dict(zip(keys, reduced)), dict(zip(loss_keys, reduced[len(keys) :]))
 
-    # 3. Write: only the last rank has loggers; everyone else's writer has no sinks.
+    # 3. Write: only the last rank has loggers; on every other rank the writer has no sinks.
     writer = MetricsWriter.from_state(global_state)
-    if writer and tb_step:
-        tokens = config.train.global_batch_size * config.dataset.sequence_length
+    loggers_exist = bool(writer)
+    if loggers_exist and tb_step:
         metrics.update(
             {"learning-rate": learning_rate, "batch-size": config.train.global_batch_size, **current}
         )
@@ -149,48 +185,33 @@ def training_log(
             spent = timers.elapsed_times(["forward-backward", "optimizer"], reset=True)
             metrics.update({f"{name}-time": seconds for name, seconds in spent.items()})
         if lg.log_throughput and global_state.last_iteration_time:
+            tokens = config.train.global_batch_size * config.dataset.sequence_length
             metrics["throughput"] = tokens / global_state.last_iteration_time
         writer.write(metrics, iteration)
 
     if console_step:
-        elapsed = timers("interval-time").elapsed(reset=True)
-        iters = total_loss_dict[ADVANCED] + total_loss_dict[SKIPPED]
-        per_iter = elapsed / max(iters, 1)
-        tokens_per_s = (
-            config.train.global_batch_size * config.dataset.sequence_length / per_iter if per_iter else 0.0
+        per_iter = timers("interval-time").elapsed(reset=True) / max(
+            1, total_loss_dict[ADVANCED] + total_loss_dict[SKIPPED]
         )
-        line = (
-            f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{config.train.train_iters:8d} |"
-            f" consumed samples: {ts.consumed_train_samples:12d} |"
-            f" elapsed time per iteration (ms): {per_iter * 1000.0:.1f} |"
-            f" throughput (tokens/s): {tokens_per_s:.1f} |"
-            f" learning rate: {learning_rate:.6E} |"
-            f" global batch size: {config.train.global_batch_size:5d} |"
+        print_rank_last(
+            _iteration_line(
+                config,
+                ts,
+                learning_rate,
+                loss_scale,
+                grad_norm,
+                params_norm,
+                per_iter,
+                interval,
+                total_loss_dict,
+            )
         )
-        for key in loss_keys:
-            avg = interval.get(key, 0.0) / max(1, total_loss_dict[ADVANCED])
-            if avg > 0.0:
-                line += f" {key}: {avg:.6E} |"
-        line += f" loss scale: {loss_scale:.1f} |"
-        if grad_norm is not None:
-            line += f" grad norm: {grad_norm:.3f} |"
-        if params_norm is not None:
-            line += f" params norm: {params_norm:.3f} |"
-        line += (
-            f" number of skipped iterations: {total_loss_dict[SKIPPED]:3d} |"
-            f" number of nan iterations: {total_loss_dict[NAN]:3d} |"
-        )
-        print_rank_last(line)
         total_loss_dict.clear()
         if report_memory_flag:
             # Every stage prints its own line (data-parallel rank 0), so the console shows each stage.
             if parallel_state.get_data_parallel_rank() == 0:
-                print(
-                    format_memory_line(
-                        dist.get_rank(), iteration, local_report or report_memory(lg.memory_keys)
-                    ),
-                    flush=True,
-                )
+                report = local_report or report_memory(lg.memory_keys)
+                print(format_memory_line(dist.get_rank(), iteration, report), flush=True)
             report_memory_flag = False
     return report_memory_flag
 
