@@ -102,3 +102,33 @@ def test_ctrl_c_stops_every_worker(tmp_path):
     code = job.proc.wait(timeout=60)
     assert code == 128 + signal.SIGINT
     assert not any(_alive(pid) for pid in workers)
+
+
+def test_under_torchrun_the_environment_is_used_unchanged(tmp_path):
+    from dist_helpers import free_port, parse_losses
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    result = subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            PRETRAIN,
+            *SMALL_MODEL,
+            "--pipeline-model-parallel-size",
+            "2",
+            "--train-iters",
+            "3",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(parse_losses(result.stdout)) == [1, 2, 3]
+    assert "world 2 = tp 1 x pp 2" in result.stdout
