@@ -1,7 +1,7 @@
 """DistributedDataParallel: fp32 gradient buffers, averaged over the data-parallel group once per step.
 
 Each parameter's gradient accumulates (over microbatches) into ``param.main_grad``, an fp32 view into
-a contiguous bucket. Nothing is communicated during backward; ``finish_grad_sync`` all-reduces each
+a contiguous bucket (fp32 parameters' ``.grad`` is that view; others add into it from a hook). Nothing is communicated during backward; ``finish_grad_sync`` all-reduces each
 bucket once, after the last microbatch.
 """
 
@@ -47,7 +47,12 @@ class DistributedDataParallel(nn.Module):
         if current:
             self.buckets.append(_Bucket(current, device))
         for p in params:
-            p.register_post_accumulate_grad_hook(self._accumulate)
+            if p.dtype == torch.float32:
+                # Autograd accumulates in place into an existing .grad: aliasing the buffer makes
+                # every microbatch's gradient land in main_grad directly.
+                p.grad = p.main_grad
+            else:
+                p.register_post_accumulate_grad_hook(self._accumulate)
 
     @staticmethod
     def _accumulate(param: nn.Parameter) -> None:
@@ -75,8 +80,12 @@ class DistributedDataParallel(nn.Module):
             dist.all_reduce(bucket.grad_data, group=self.dp_group)
 
     def zero_grad_buffer(self) -> None:
+        """Zero every gradient buffer (and re-alias fp32 .grad, in case something set it to None)."""
         for bucket in self.buckets:
             bucket.grad_data.zero_()
+            for p in bucket.params:
+                if p.dtype == torch.float32:
+                    p.grad = p.main_grad
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)

@@ -86,8 +86,10 @@ class MegatronOptimizer:
         return True, grad_norm, None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for m in self.masters:
-            m.grad = None
+        """Drop the fp32 copies' gradients; parameters' own gradients live in DDP's buffers."""
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = None
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
