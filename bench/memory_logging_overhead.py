@@ -29,6 +29,7 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
 from megatron_lite.training.utils.train_utils import (  # noqa: E402
+    MEMORY_KEYS,
     reduce_max_memory_across_pp_group,
     report_memory,
 )
@@ -62,30 +63,34 @@ def pieces(rank: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=PP)
     group = dist.new_group(list(range(PP)))
-    report = report_memory()
     timings = {}
     start = time.perf_counter()
     for _ in range(REPS):
         report_memory()
     timings["report_memory()"] = (time.perf_counter() - start) / REPS
-    for name, fn in (
-        ("one bulk all-reduce", lambda: reduce_max_memory_across_pp_group(report, group)),
-        (
-            "one all-reduce per key",
-            lambda: [
+    # This machine's CPU report, and one shaped like a CUDA run's (MEMORY_KEYS + activation keys).
+    cuda_shaped = {
+        name.replace("bytes", "gigabytes"): float(i) for i, name in enumerate(MEMORY_KEYS.values())
+    }
+    cuda_shaped.update({"mem-activation-gigabytes": 0.0, "mem-max-activation-gigabytes": 1.0})
+    for label, report in (("cpu", report_memory()), ("cuda-shaped", cuda_shaped)):
+
+        def per_key(r=report):
+            for value in r.values():
                 dist.all_reduce(
-                    torch.tensor([float(v)], dtype=torch.float64), op=dist.ReduceOp.MAX, group=group
+                    torch.tensor([float(value)], dtype=torch.float64), op=dist.ReduceOp.MAX, group=group
                 )
-                for v in report.values()
-            ],
-        ),
-    ):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(REPS):
-            fn()
-        timings[name] = (time.perf_counter() - start) / REPS
-    queue.put((rank, len(report), timings))
+
+        for name, fn in (
+            ("bulk", lambda r=report: reduce_max_memory_across_pp_group(r, group)),
+            ("per-key", per_key),
+        ):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(REPS):
+                fn()
+            timings[(label, len(report), name)] = (time.perf_counter() - start) / REPS
+    queue.put((rank, timings))
     dist.destroy_process_group()
 
 
@@ -117,16 +122,24 @@ def main() -> None:
     procs = [ctx.Process(target=pieces, args=(r, port, queue)) for r in range(PP)]
     for p in procs:
         p.start()
-    rank, keys, timings = max(queue.get(timeout=600) for _ in range(PP))
+    rank, timings = max(queue.get(timeout=600) for _ in range(PP))
     for p in procs:
         p.join()
-    print(f"pieces, {keys}-key report, {PP}-rank gloo group, mean of {REPS} (rank {rank}):")
-    for name, seconds in timings.items():
-        print(f"  {name:<24}{seconds * 1e6:10.1f} us")
-    bulk, per_key = timings["one bulk all-reduce"], timings["one all-reduce per key"]
-    print(f"  per-key / bulk all-reduce: {per_key / bulk:.2f}x")
-    added = timings["report_memory()"] + bulk
-    print(f"  added per logged step: {added * 1e3:.3f} ms = {100 * added * 1e3 / base:.3f}% of an iteration")
+    print(f"pieces, {PP}-rank gloo group on this machine, mean of {REPS} calls (rank {rank}):")
+    report_cost = timings.pop("report_memory()")
+    print(f"  report_memory(): {report_cost * 1e6:.1f} us")
+    for label, keys in sorted({(k[0], k[1]) for k in timings}):
+        bulk, per_key = timings[(label, keys, "bulk")], timings[(label, keys, "per-key")]
+        print(
+            f"  {keys:2d}-key {label:<11} report: one bulk all-reduce {bulk * 1e6:8.1f} us | one all-reduce per key "
+            f"{per_key * 1e6:8.1f} us | per-key / bulk {per_key / bulk:.2f}x"
+        )
+    cpu_bulk = next(v for k, v in timings.items() if k[0] == "cpu" and k[2] == "bulk")
+    added = cpu_bulk + report_cost
+    print(
+        f"  added per logged step (report + bulk all-reduce): {added * 1e3:.3f} ms = "
+        f"{100 * added * 1e3 / base:.3f}% of an iteration"
+    )
 
 
 if __name__ == "__main__":
