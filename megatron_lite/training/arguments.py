@@ -205,14 +205,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a GPT with megatron_lite (Megatron-LM flag names).",
     )
     defaults = ConfigContainer()
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    metavars = {int: "N", float: "X", str: "S"}
     for flag, section, name, kind, help_text in FLAGS:
+        group = groups.setdefault(section, parser.add_argument_group(f"{section} (config.{section})"))
         dest = flag[2:].replace("-", "_")
         if kind in ("store_true", "store_false"):
-            parser.add_argument(flag, dest=dest, action=kind, default=None, help=help_text)
+            group.add_argument(flag, dest=dest, action=kind, default=None, help=help_text)
         else:
             default = getattr(getattr(defaults, section), name)
-            parser.add_argument(
-                flag, dest=dest, type=kind, default=None, help=f"{help_text} (default: {default})"
+            group.add_argument(
+                flag,
+                dest=dest,
+                type=kind,
+                default=None,
+                metavar=metavars[kind],
+                help=f"{help_text} (default: {default})",
             )
     for flag, kind in UNSUPPORTED_FLAGS.items():
         dest = "unsupported_" + flag[2:].replace("-", "_")
