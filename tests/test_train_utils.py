@@ -6,6 +6,7 @@ import torch
 import torch.distributed
 from dist_helpers import run_world
 
+from megatron_lite.core.utils import get_collective_device
 from megatron_lite.training.utils import train_utils
 from megatron_lite.training.utils.activation_memory import ActivationMemoryTracker
 from megatron_lite.training.utils.train_utils import (
@@ -99,9 +100,9 @@ def test_one_float64_max_all_reduce_in_key_order(mocker):
 def test_nccl_group_reduces_on_the_current_cuda_device(mocker):
     mocker.patch("torch.distributed.get_backend", return_value="nccl")
     mocker.patch("torch.cuda.current_device", return_value=3)
-    assert train_utils._collective_device(FakeGroup(2)) == torch.device("cuda", 3)
+    assert get_collective_device(FakeGroup(2)) == torch.device("cuda", 3)
     mocker.patch("torch.distributed.get_backend", return_value="gloo")
-    assert train_utils._collective_device(FakeGroup(2)) == torch.device("cpu")
+    assert get_collective_device(FakeGroup(2)) == torch.device("cpu")
 
 
 def _reduce_in_real_world(rank, world):

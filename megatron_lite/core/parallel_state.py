@@ -347,6 +347,6 @@ def get_process_group_ranks(name: str) -> list[int]:
     return list(_state().global_ranks(name))
 
 
-def default_backend() -> str:
-    """nccl when this process can own a GPU, gloo otherwise (CPU, laptops, CI)."""
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+def default_backend(local_world_size: int = 1) -> str:
+    """nccl when every local rank can own a GPU, gloo otherwise (CPU, laptops, CI)."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size else "gloo"

@@ -38,6 +38,18 @@ def seeded_init(seed: int, key: str):
         torch.random.set_rng_state(state)
 
 
+def get_collective_device(group=None) -> torch.device:
+    """The device a tensor must live on for a collective over ``group``: the current CUDA device for
+    NCCL, the CPU otherwise (gloo, or an object that is no process group, such as a test stand-in)."""
+    try:
+        backend = torch.distributed.get_backend(group)
+    except Exception:
+        return torch.device("cpu")
+    if str(backend).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def get_model_config(model: torch.nn.Module):
     """The TransformerConfig of a (possibly wrapped) model."""
     while not hasattr(model, "config") and hasattr(model, "module"):

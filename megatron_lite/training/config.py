@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
+import torch
+
 from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig
 from megatron_lite.models.gpt_provider import GPTModelProvider
 
@@ -285,6 +287,8 @@ class ConfigContainer:
             )
         if self.dist.distributed_backend not in (None, "gloo", "nccl"):
             raise ConfigError("--distributed-backend", "must be gloo or nccl")
+        if self.dist.distributed_backend == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("--distributed-backend", "nccl needs CUDA GPUs and none are visible; use gloo")
 
     def _check_divisibility(self) -> None:
         m, t = self.model, self.train

@@ -20,6 +20,7 @@ def forward_step(data_iterator, model):
     Every stage reads the batch (the synthetic data is cheap and identical everywhere), which keeps all
     stages' data position equal; only the first stage uses the tokens, only the last the labels.
     """
-    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])

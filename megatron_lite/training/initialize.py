@@ -19,7 +19,8 @@ def initialize_distributed(config: ConfigContainer) -> None:
 
     gloo without CUDA; nccl with one GPU per local rank otherwise.
     """
-    backend = config.dist.distributed_backend or parallel_state.default_backend()
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend = config.dist.distributed_backend or parallel_state.default_backend(local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():

@@ -12,6 +12,7 @@ from megatron_lite.core.datasets.gpt_dataset import MockGPTDataset
 from megatron_lite.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.core.optimizer import MegatronOptimizer, OptimizerParamScheduler
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
+from megatron_lite.core.utils import get_collective_device
 from megatron_lite.data.samplers import build_pretraining_data_loader
 from megatron_lite.training import checkpointing
 from megatron_lite.training.config import ConfigContainer
@@ -84,6 +85,8 @@ def setup(state: GlobalState) -> SetupOutput:
         post_process=parallel_state.is_pipeline_last_stage(),
         seed=config.rng.seed,
     )
+    # Weights are drawn on the CPU (layout-independent init), then live where the collectives run.
+    module.to(get_collective_device())
     model = DistributedDataParallel(model_config, module, dp_group=pg_collection.dp)
     # The schedules call this after the last microbatch of each step.
     model_config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg_collection)

@@ -147,7 +147,7 @@ def training_log(
     if not skipped_iter:
         for key, value in loss_dict.items():
             total_loss_dict[key] = (
-                total_loss_dict.get(key, torch.zeros((), dtype=torch.float64)) + value.double()
+                total_loss_dict[key] + value.double() if key in total_loss_dict else value.double()
             )
 
     # 1. Memory: collective over the pipeline group, on every stage, before any writer check.

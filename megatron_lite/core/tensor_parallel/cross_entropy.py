@@ -32,7 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         masked_target = (target - first).masked_fill(target_mask, 0)
 
         logits_2d = logits.view(-1, partition_vocab)
-        rows = torch.arange(logits_2d.size(0))
+        rows = torch.arange(logits_2d.size(0), device=logits_2d.device)
         predicted = logits_2d[rows, masked_target.view(-1)].view_as(target).masked_fill(target_mask, 0.0)
         _all_reduce(predicted, dist.ReduceOp.SUM, group)
 
@@ -50,7 +50,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, target_mask, masked_target = ctx.saved_tensors
         grad = softmax.clone()
         grad_2d = grad.view(-1, grad.size(-1))
-        rows = torch.arange(grad_2d.size(0))
+        rows = torch.arange(grad_2d.size(0), device=grad_2d.device)
         grad_2d[rows, masked_target.view(-1)] -= 1.0 - target_mask.view(-1).float()
         grad.mul_(grad_output.unsqueeze(-1))
         return grad, None, None

@@ -7,6 +7,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core.utils import get_collective_device
+
 
 class DistributedSignalHandler:
     """Records SIGTERM instead of dying, so the loop can finish the iteration, save and exit 0."""
@@ -28,7 +30,7 @@ class DistributedSignalHandler:
 
     def signals_received(self) -> bool:
         """True if any rank got the signal. Collective over the world (one MAX all-reduce)."""
-        flag = torch.tensor([int(self.received)], dtype=torch.int32)
+        flag = torch.tensor([int(self.received)], dtype=torch.int32, device=get_collective_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

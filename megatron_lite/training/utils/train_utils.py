@@ -10,6 +10,7 @@ import torch
 import torch.distributed
 import torch.distributed as dist
 
+from megatron_lite.core.utils import get_collective_device
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 
 # torch.cuda.memory_stats() key -> logged name.
@@ -99,17 +100,6 @@ def device_memory_capacity_gigabytes() -> float | None:
     return None
 
 
-def _collective_device(group) -> torch.device:
-    """The device a tensor must live on for a collective over ``group``: CUDA for NCCL, else CPU."""
-    try:
-        backend = torch.distributed.get_backend(group)
-    except Exception:  # not a real process group (a stand-in in tests): no backend to honour
-        return torch.device("cpu")
-    if str(backend).lower() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _pack(memory_report: dict, device: torch.device) -> torch.Tensor:
     return torch.tensor([float(v) for v in memory_report.values()], dtype=torch.float64, device=device)
 
@@ -142,7 +132,7 @@ def reduce_max_memory_across_pp_group(memory_report: dict, pp_group) -> dict:
         return memory_report
     if _group_size(pp_group) <= 1:
         return memory_report
-    values = _pack(memory_report, _collective_device(pp_group))
+    values = _pack(memory_report, get_collective_device(pp_group))
     torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=pp_group)
     return _unpack(memory_report, values.tolist())
 
@@ -161,7 +151,7 @@ def gather_memory_across_pp_group(memory_report: dict, pp_group) -> tuple[dict, 
         or _group_size(pp_group) <= 1
     ):
         return memory_report, [memory_report]
-    local = _pack(memory_report, _collective_device(pp_group))
+    local = _pack(memory_report, get_collective_device(pp_group))
     gathered = [torch.empty_like(local) for _ in range(_group_size(pp_group))]
     torch.distributed.all_gather(gathered, local, group=pp_group)
     stages = [_unpack(memory_report, t.tolist()) for t in gathered]
