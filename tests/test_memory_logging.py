@@ -205,3 +205,40 @@ def test_loggers_are_created_lazily_on_the_last_rank_only(tmp_path):
     assert results[0] == (False, False, (None, None, None))
     assert results[1] == (False, True, (None, None, None))
     assert scalars(tmp_path)["x"] == {1: 1.0}
+
+
+def test_memory_report_tool_names_the_stage_and_headroom(tmp_path):
+    """A CUDA-like run logged per stage with the device capacity: the tool attributes the peak."""
+    import subprocess
+    import sys
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path)) as writer:
+        for step in (1, 2, 3):
+            for stage, peak in enumerate([60.0, 45.0, 30.0, 20.0]):
+                writer.add_scalar(f"memory/pp-stage-{stage}/mem-max-allocated-gigabytes", peak + step, step)
+            writer.add_scalar("memory/mem-max-allocated-gigabytes", 60.0 + step, step)
+            writer.add_scalar("memory/capacity-gigabytes", 80.0, step)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    row = next(ln for ln in result.stdout.splitlines() if ln.startswith("mem-max-allocated-gigabytes"))
+    assert row.split()[1:] == ["63", "3", "pp", "stage", "0", "17.000"]
+
+
+def test_memory_report_tool_refuses_a_run_without_memory(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "no memory/* scalars" in result.stderr

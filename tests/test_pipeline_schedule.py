@@ -184,3 +184,71 @@ def _dp_grads_equal(rank, world):
 
 def test_data_parallel_averages_gradients_once():
     assert run_world(_dp_grads_equal, 2) == [(True, True), (True, True)]
+
+
+def _nan_handling(rank, world):
+    import contextlib
+    import io
+    import math
+
+    from megatron_lite.core.optimizer import MegatronOptimizer, OptimizerConfig, OptimizerParamScheduler
+    from megatron_lite.training.config import ConfigContainer
+    from megatron_lite.training.state import GlobalState
+    from megatron_lite.training.training import training_log
+
+    ps.initialize_model_parallel()
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    cfg = GPTModelProvider(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=128)
+    model = DistributedDataParallel(
+        cfg, cfg.provide(pgc, pre_process=True, post_process=True), dp_group=pgc.dp
+    )
+    opt = MegatronOptimizer(OptimizerConfig(lr=1e-2), [model], model_parallel_group=pgc.mp)
+    OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-2,
+        min_lr=0.0,
+        lr_warmup_steps=0,
+        lr_decay_steps=10,
+        lr_decay_style="constant",
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.main_grad.fill_(float("nan"))
+    ok, grad_norm, _ = opt.step()
+    unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+    state = GlobalState(ConfigContainer())
+    state.cfg.logger.log_interval = 2
+    state.timers("interval-time").start()
+    totals: dict = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for step, (loss, skipped) in enumerate([(float("nan"), 1), (2.0, 0)], start=1):
+            state.train_state.step = step
+            training_log(
+                {"lm loss": torch.tensor(loss)},
+                totals,
+                1e-2,
+                1.0,
+                False,
+                skipped,
+                grad_norm,
+                None,
+                None,
+                state.cfg,
+                state,
+                pgc,
+            )
+    lines = out.getvalue().splitlines()
+    ps.destroy_model_parallel()
+    return ok, math.isnan(grad_norm), unchanged, lines
+
+
+def test_nan_gradients_skip_the_update_and_are_counted():
+    ok, norm_is_nan, unchanged, lines = run_world(_nan_handling, 1)[0]
+    assert not ok and norm_is_nan and unchanged
+    assert len(lines) == 1
+    line = lines[0]
+    assert "number of skipped iterations:   1" in line and "number of nan iterations:   1" in line
+    assert "lm loss: 2.000000E+00" in line  # the skipped iteration's NaN is not averaged in
