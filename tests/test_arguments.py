@@ -33,6 +33,7 @@ BAD_INPUT = [
     (["--data-path", "/data/corpus"], "--data-path"),
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
     (["--context-parallel-size", "2"], "--context-parallel-size"),
+    (["--hidden-dropout", "1.5"], "--hidden-dropout"),
 ]
 
 

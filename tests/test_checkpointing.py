@@ -235,3 +235,26 @@ def test_no_load_optim_resumes_iteration_with_fresh_optimizer(tmp_path):
     assert sorted(parse_losses(without.stdout)) == [5, 6, 7, 8]
     assert loss_lines(with_optim.stdout)[5] == loss_lines(without.stdout)[5]  # same weights, same batch
     assert loss_lines(with_optim.stdout)[6] != loss_lines(without.stdout)[6]  # different updates
+
+
+def test_resume_with_dropout_is_bitwise_identical(tmp_path):
+    """Dropout draws from the default and the per-TP-rank streams: both are checkpointed."""
+    dropout = [
+        *SMALL_MODEL,
+        "--train-iters",
+        "8",
+        "--tensor-model-parallel-size",
+        "2",
+        "--hidden-dropout",
+        "0.1",
+        "--attention-dropout",
+        "0.1",
+    ]
+    straight = ok(run_pretrain(dropout, tmp_path))
+    without = ok(
+        run_pretrain([*SMALL_MODEL, "--train-iters", "8", "--tensor-model-parallel-size", "2"], tmp_path)
+    )
+    assert loss_lines(straight.stdout)[1] != loss_lines(without.stdout)[1]  # dropout is really applied
+    ok(run_pretrain([*dropout, "--save", "c", "--exit-interval", "4"], tmp_path))
+    resumed = ok(run_pretrain([*dropout, "--load", "c"], tmp_path))
+    assert {it: loss_lines(straight.stdout)[it] for it in range(5, 9)} == loss_lines(resumed.stdout)

@@ -252,3 +252,26 @@ def test_nan_gradients_skip_the_update_and_are_counted():
     line = lines[0]
     assert "number of skipped iterations:   1" in line and "number of nan iterations:   1" in line
     assert "lm loss: 2.000000E+00" in line  # the skipped iteration's NaN is not averaged in
+
+
+def _rng_streams(rank, world):
+    from megatron_lite.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        model_parallel_cuda_manual_seed,
+    )
+
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234, tp_rank=rank)
+    with get_cuda_rng_tracker().fork():
+        tp_stream = torch.rand(4)
+    default_stream = torch.rand(4)
+    torch.manual_seed(1234)
+    untouched = torch.rand(4)
+    return tp_stream, default_stream, untouched
+
+
+def test_dropout_streams_differ_per_tp_rank_and_leave_the_default_stream_alone():
+    (tp0, default0, plain0), (tp1, default1, plain1) = run_world(_rng_streams, 2)
+    assert not torch.equal(tp0, tp1)  # attention dropout: different heads, different masks
+    assert torch.equal(default0, default1)  # hidden dropout: the same mask on every TP rank
+    assert torch.equal(default0, plain0)  # forking did not advance the default stream

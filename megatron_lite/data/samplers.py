@@ -53,4 +53,8 @@ def build_pretraining_data_loader(
     sampler = MegatronPretrainingSampler(
         len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
     )
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+    # A private generator: creating the iterator would otherwise draw from the global RNG and shift
+    # the dropout stream of a resumed run.
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=0, generator=torch.Generator().manual_seed(0)
+    )

@@ -35,8 +35,8 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ),
     ("--init-method-std", "model", "init_method_std", float, "Std of the normal weight init."),
     ("--norm-epsilon", "model", "layernorm_epsilon", float, "LayerNorm epsilon."),
-    ("--hidden-dropout", "model", "hidden_dropout", float, "Hidden dropout (only 0 supported)."),
-    ("--attention-dropout", "model", "attention_dropout", float, "Attention dropout (only 0 supported)."),
+    ("--hidden-dropout", "model", "hidden_dropout", float, "Dropout before each residual add."),
+    ("--attention-dropout", "model", "attention_dropout", float, "Dropout on attention probabilities."),
     (
         "--untie-embeddings-and-output-weights",
         "model",

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.core import parallel_state
+from megatron_lite.core.tensor_parallel.random import get_cuda_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
@@ -77,7 +78,11 @@ def _layout() -> dict[str, int]:
 
 
 def _rng_state() -> dict:
-    state = {"random": random.getstate(), "torch": torch.get_rng_state()}
+    state = {
+        "random": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
+    }
     try:
         import numpy as np
 
@@ -92,6 +97,8 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["random"])
     torch.set_rng_state(state["torch"])
+    if "rng_tracker_states" in state:
+        get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
     if "numpy" in state:
         import numpy as np
 

@@ -213,8 +213,6 @@ class ConfigContainer:
             "--sequence-parallel": m.sequence_parallel,
             "--virtual-pipeline-model-parallel-size": m.virtual_pipeline_model_parallel_size not in (None, 1),
             "--context-parallel-size": m.context_parallel_size != 1,
-            "--hidden-dropout": m.hidden_dropout != 0.0,
-            "--attention-dropout": m.attention_dropout != 0.0,
         }
         for flag, bad in unsupported.items():
             if bad:
@@ -268,6 +266,12 @@ class ConfigContainer:
         }.items():
             if value < 0:
                 raise ConfigError(flag, f"must be >= 0, got {value}")
+        for flag, value in {
+            "--hidden-dropout": m.hidden_dropout,
+            "--attention-dropout": m.attention_dropout,
+        }.items():
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(flag, f"must be in [0, 1), got {value}")
         if o.min_lr > o.lr:
             raise ConfigError("--min-lr", f"must not exceed --lr ({o.min_lr} > {o.lr})")
         for flag, value in {"--adam-beta1": o.adam_beta1, "--adam-beta2": o.adam_beta2}.items():

@@ -21,6 +21,7 @@ def evaluate(
     Collective over the pipeline and data-parallel groups."""
     forward_backward = get_forward_backward_func(config.model.pipeline_model_parallel_size)
     totals: dict[str, torch.Tensor] = {}
+    model.eval()  # no dropout while validating
     with torch.no_grad():
         for _ in range(config.train.eval_iters):
             losses = forward_backward(
@@ -36,6 +37,7 @@ def evaluate(
             global_state.train_state.consumed_valid_samples += config.train.global_batch_size
             for key in losses[0] if losses else {}:
                 totals[key] = totals.get(key, 0.0) + torch.stack([x[key] for x in losses]).mean()
+    model.train()
     if not parallel_state.is_pipeline_last_stage():
         return {}
     keys = list(totals)

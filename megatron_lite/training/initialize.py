@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron_lite.core import parallel_state
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
+from megatron_lite.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_lite.training.config import ConfigContainer
 
 
@@ -33,8 +34,8 @@ def initialize_distributed(config: ConfigContainer) -> None:
 
 
 def set_random_seeds(seed: int) -> None:
-    """Same seed on every rank: weights are drawn per model part (see core.utils.seeded_init) and the
-    synthetic data is indexed by sample, so nothing depends on the rank."""
+    """Seed Python, NumPy and torch. Weights are drawn per model part (core.utils.seeded_init) and the
+    synthetic data is indexed by sample, so only dropout depends on these seeds."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -55,5 +56,8 @@ def initialize_megatron(config: ConfigContainer) -> ProcessGroupCollection:
         context_parallel_size=m.context_parallel_size,
         distributed_timeout_minutes=config.dist.distributed_timeout_minutes,
     )
-    set_random_seeds(config.rng.seed)
+    # As Megatron: dropout streams differ per pipeline stage (and per TP rank inside the TP region).
+    seed = config.rng.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    set_random_seeds(seed)
+    model_parallel_cuda_manual_seed(seed, parallel_state.get_tensor_model_parallel_rank())
     return ProcessGroupCollection.use_mpu_process_groups()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron_lite.core.tensor_parallel.utils import divide
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 
@@ -19,6 +22,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
         self.heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.attention_dropout = config.attention_dropout
         self.head_dim = config.kv_channels
         projection = config.kv_channels * config.num_attention_heads
         self.linear_qkv = ColumnParallelLinear(
@@ -46,7 +50,10 @@ class SelfAttention(nn.Module):
         q, k, v = (
             mixed.view(s, b, self.heads_per_partition, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
         )
-        context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        # Each TP rank holds different heads, so their dropout masks come from the per-rank stream.
+        with get_cuda_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext():
+            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_partition * self.head_dim)
         output, _ = self.linear_proj(context)
         return output

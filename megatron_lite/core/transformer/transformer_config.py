@@ -26,9 +26,9 @@ class TransformerConfig:
     layernorm_epsilon: float = 1e-5
     """LayerNorm epsilon."""
     hidden_dropout: float = 0.0
-    """Dropout after attention and MLP (only 0 is supported)."""
+    """Dropout on the attention and MLP outputs before each residual add."""
     attention_dropout: float = 0.0
-    """Dropout on attention probabilities (only 0 is supported)."""
+    """Dropout on attention probabilities (per-TP-rank RNG stream)."""
     add_bias_linear: bool = True
     """Biases on linear layers."""
     tensor_model_parallel_size: int = 1

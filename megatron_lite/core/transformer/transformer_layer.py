@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.transformer.attention import SelfAttention
@@ -11,7 +12,7 @@ from megatron_lite.core.transformer.transformer_config import TransformerConfig
 
 
 class TransformerLayer(nn.Module):
-    """x + attn(ln(x)), then x + mlp(ln(x)). ``layer_number`` is global (1-based) across stages."""
+    """x + dropout(attn(ln(x))), then x + dropout(mlp(ln(x))). ``layer_number`` is global (1-based)."""
 
     def __init__(
         self,
@@ -24,6 +25,7 @@ class TransformerLayer(nn.Module):
     ):
         super().__init__()
         self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout
         eps, h, dtype = config.layernorm_epsilon, config.hidden_size, config.params_dtype
         self.input_layernorm = nn.LayerNorm(h, eps=eps, dtype=dtype)
         self.self_attention = SelfAttention(
@@ -41,5 +43,9 @@ class TransformerLayer(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attention(self.input_layernorm(hidden_states))
-        return hidden_states + self.mlp(self.pre_mlp_layernorm(hidden_states))
+        # Hidden dropout acts on activations every TP rank holds whole: the default stream, alike on all.
+        p = self.hidden_dropout if self.training else 0.0
+        attention = self.self_attention(self.input_layernorm(hidden_states))
+        hidden_states = hidden_states + F.dropout(attention, p=p, training=self.training)
+        mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        return hidden_states + F.dropout(mlp, p=p, training=self.training)
