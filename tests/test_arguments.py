@@ -32,7 +32,10 @@ BAD_INPUT = [
     (["--fp16"], "--fp16"),
     (["--data-path", "/data/corpus"], "--data-path"),
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
-    (["--context-parallel-size", "2"], "--context-parallel-size"),
+    (
+        ["--context-parallel-size", "2", "--seq-length", "30", "--max-position-embeddings", "30"],
+        "--seq-length",
+    ),
     (["--hidden-dropout", "1.5"], "--hidden-dropout"),
 ]
 

@@ -8,21 +8,12 @@ from dist_helpers import SMALL_MODEL, parse_losses, run_pretrain
 ITERS = 8
 
 
-def _losses(tmp_path, tp: int, pp: int, dp: int, extra=()) -> dict[int, float]:
+def _losses(tmp_path, tp: int, pp: int, dp: int, extra=(), cp: int = 1) -> dict[int, float]:
     args = [
         *SMALL_MODEL,
-        "--train-iters",
-        str(ITERS),
-        "--log-interval",
-        "1",
-        "--seed",
-        "1234",
-        "--tensor-model-parallel-size",
-        str(tp),
-        "--pipeline-model-parallel-size",
-        str(pp),
-        "--nproc-per-node",
-        str(tp * pp * dp),
+        *f"--train-iters {ITERS} --seed 1234 --tensor-model-parallel-size {tp} "
+        f"--pipeline-model-parallel-size {pp} --context-parallel-size {cp} "
+        f"--nproc-per-node {tp * pp * cp * dp}".split(),
         *extra,
     ]
     result = run_pretrain(args, tmp_path)
@@ -41,9 +32,11 @@ def test_single_process_loss_falls(reference):
     assert reference[ITERS] < reference[1] - 0.05
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)])
-def test_loss_matches_single_process(tmp_path, reference, tp, pp, dp):
-    losses = _losses(tmp_path, tp, pp, dp)
+@pytest.mark.parametrize(
+    "tp,pp,dp,cp", [(1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 2, 1), (1, 2, 1, 2), (1, 1, 2, 2)]
+)
+def test_loss_matches_single_process(tmp_path, reference, tp, pp, dp, cp):
+    losses = _losses(tmp_path, tp, pp, dp, cp=cp)
     for it in range(1, ITERS + 1):
         assert abs(losses[it] - reference[it]) <= 5e-4 * abs(reference[it]), (it, losses[it], reference[it])
     assert losses[ITERS] < losses[1]

@@ -50,6 +50,26 @@ def get_collective_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+def cp_positions(seq_length: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
+    """Sequence positions CP rank ``cp_rank`` holds: chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``, so
+    every rank gets an equal share of causal-attention work (Megatron's load-balanced split)."""
+    chunk = seq_length // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict:
+    """Slice every [b, s] tensor of ``batch`` to this CP rank's positions (see ``cp_positions``)."""
+    if cp_size == 1:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        index = cp_positions(value.size(1), cp_rank, cp_size, device=value.device)
+        out[key] = value.index_select(1, index)
+    return out
+
+
 def get_model_config(model: torch.nn.Module):
     """The TransformerConfig of a (possibly wrapped) model."""
     while not hasattr(model, "config") and hasattr(model, "module"):

@@ -1,8 +1,9 @@
 """Megatron-layout checkpoints, written atomically and loaded with every rank agreeing.
 
 Layout: ``DIR/iter_0000010/mp_rank_XX[_YYY]/model_optim_rng.pt`` per (tensor, pipeline) rank, written
-by data-parallel rank 0 (``_YYY`` only with pipeline parallelism, as Megatron names them), and
-``DIR/latest_checkpointed_iteration.txt``; ``iter_*/metadata.json`` records the parallel layout. A save goes into a temporary directory that is renamed into
+by the rank that is 0 in its data x context parallel group (``_YYY`` only with pipeline parallelism,
+as Megatron names them), ``iter_*/metadata.json`` with the parallel layout, and
+``DIR/latest_checkpointed_iteration.txt``. A save goes into a temporary directory that is renamed into
 place once every shard is on disk; the tracker is replaced last. A crash mid-save leaves the previous
 checkpoint and tracker untouched.
 """
@@ -119,7 +120,7 @@ def save_checkpoint(state, model, optimizer, scheduler, pg_collection) -> None:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         os.makedirs(tmp_root)
     dist.barrier()
-    if parallel_state.get_data_parallel_rank() == 0:
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         path = os.path.join(tmp_root, _my_shard_name(), "model_optim_rng.pt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         payload = {

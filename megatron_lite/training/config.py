@@ -212,7 +212,6 @@ class ConfigContainer:
             "--fp16": m.fp16 or self.optimizer.fp16,
             "--sequence-parallel": m.sequence_parallel,
             "--virtual-pipeline-model-parallel-size": m.virtual_pipeline_model_parallel_size not in (None, 1),
-            "--context-parallel-size": m.context_parallel_size != 1,
         }
         for flag, bad in unsupported.items():
             if bad:
@@ -331,8 +330,13 @@ class ConfigContainer:
                 f"{t.global_batch_size} is not divisible by --micro-batch-size "
                 f"x data-parallel size = {t.micro_batch_size} x {self.data_parallel_size}",
             )
-        if self.dataset.sequence_length % m.context_parallel_size:
-            raise ConfigError("--seq-length", "must be divisible by --context-parallel-size")
+        cp = m.context_parallel_size
+        if cp > 1 and self.dataset.sequence_length % (2 * cp):
+            raise ConfigError(
+                "--seq-length",
+                f"must be divisible by 2 x --context-parallel-size = {2 * cp} "
+                "(each CP rank holds two of 2 cp equal chunks)",
+            )
 
     def _check_logger(self) -> None:
         lg = self.logger

@@ -41,7 +41,7 @@ def evaluate(
     if not parallel_state.is_pipeline_last_stage():
         return {}
     keys = list(totals)
-    means = mean_over_dp([totals[k] / config.train.eval_iters for k in keys], pg_collection.dp)
+    means = mean_over_dp([totals[k] / config.train.eval_iters for k in keys], pg_collection.dp_cp)
     return dict(zip(keys, means))
 
 

@@ -87,7 +87,8 @@ def setup(state: GlobalState) -> SetupOutput:
     )
     # Weights are drawn on the CPU (layout-independent init), then live where the collectives run.
     module.to(get_collective_device())
-    model = DistributedDataParallel(model_config, module, dp_group=pg_collection.dp)
+    # Context-parallel ranks hold the same weights and see different tokens: average over both.
+    model = DistributedDataParallel(model_config, module, dp_group=pg_collection.dp_cp)
     # The schedules call this after the last microbatch of each step.
     model_config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg_collection)
     ACTIVATION_MEMORY.exclude_parameters(module.parameters())

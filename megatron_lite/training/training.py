@@ -164,7 +164,7 @@ def training_log(
     if last_stage and (console_step or (tb_step and _loggers_configured(config))):
         keys = list(loss_dict)
         reduced = mean_over_dp(
-            [loss_dict[k] for k in keys] + [total_loss_dict[k] for k in loss_keys], pg_collection.dp
+            [loss_dict[k] for k in keys] + [total_loss_dict[k] for k in loss_keys], pg_collection.dp_cp
         )
         current, interval = dict(zip(keys, reduced)), dict(zip(loss_keys, reduced[len(keys) :]))
 
@@ -209,7 +209,7 @@ def training_log(
         total_loss_dict.clear()
         if report_memory_flag:
             # Every stage prints its own line (data-parallel rank 0), so the console shows each stage.
-            if parallel_state.get_data_parallel_rank() == 0:
+            if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
                 report = local_report or report_memory(lg.memory_keys)
                 print(format_memory_line(dist.get_rank(), iteration, report), flush=True)
             report_memory_flag = False

@@ -148,7 +148,8 @@ def forward_backward_pipelining_without_interleaving(
         pg_collection = ProcessGroupCollection.use_mpu_process_groups(["pp"])
     p2p = p2p_communicator or P2PCommunicator(pg_collection.pp, config)
     stage, stages = dist.get_rank(pg_collection.pp), dist.get_world_size(pg_collection.pp)
-    tensor_shape = (seq_length, micro_batch_size, config.hidden_size)
+    # With context parallelism each rank holds seq_length / cp positions (as in Megatron's p2p shapes).
+    tensor_shape = (seq_length // config.context_parallel_size, micro_batch_size, config.hidden_size)
     num_warmup = min(stages - stage - 1, num_microbatches)
     num_steady = num_microbatches - num_warmup
     last = p2p.is_last_stage

@@ -1,16 +1,13 @@
-"""Causal self-attention with heads split across tensor-parallel ranks."""
+"""Causal self-attention with heads split across tensor-parallel ranks (and sequence across CP ranks)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron_lite.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron_lite.core.tensor_parallel.utils import divide
+from megatron_lite.core.transformer.dot_product_attention import DotProductAttention
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 
 
@@ -18,11 +15,19 @@ class SelfAttention(nn.Module):
     """QKV projection (column parallel, head-major layout so each rank owns whole heads), causal
     scaled-dot-product attention, output projection (row parallel). Input and output are [s, b, h]."""
 
-    def __init__(self, config: TransformerConfig, *, init_method, output_layer_init_method, tp_group=None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        init_method,
+        output_layer_init_method,
+        tp_group=None,
+        cp_group=None,
+    ):
         super().__init__()
         tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
         self.heads_per_partition = divide(config.num_attention_heads, tp_size)
-        self.attention_dropout = config.attention_dropout
+        self.core_attention = DotProductAttention(config.attention_dropout, cp_group)
         self.head_dim = config.kv_channels
         projection = config.kv_channels * config.num_attention_heads
         self.linear_qkv = ColumnParallelLinear(
@@ -50,10 +55,7 @@ class SelfAttention(nn.Module):
         q, k, v = (
             mixed.view(s, b, self.heads_per_partition, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
         )
-        dropout_p = self.attention_dropout if self.training else 0.0
-        # Each TP rank holds different heads, so their dropout masks come from the per-rank stream.
-        with get_cuda_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext():
-            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        context = self.core_attention(q, k, v)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_partition * self.head_dim)
         output, _ = self.linear_proj(context)
         return output

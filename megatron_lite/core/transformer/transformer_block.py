@@ -25,6 +25,7 @@ class TransformerBlock(nn.Module):
         post_process: bool = True,
         seed: int = 1234,
         tp_group=None,
+        cp_group=None,
     ):
         super().__init__()
         num_layers, offset = get_num_layers_to_build(config, pp_rank)
@@ -35,7 +36,12 @@ class TransformerBlock(nn.Module):
             with seeded_init(seed, f"layer {i}"):
                 layers.append(
                     TransformerLayer(
-                        config, i + 1, init_method=init, output_layer_init_method=scaled, tp_group=tp_group
+                        config,
+                        i + 1,
+                        init_method=init,
+                        output_layer_init_method=scaled,
+                        tp_group=tp_group,
+                        cp_group=cp_group,
                     )
                 )
         self.layers = nn.ModuleList(layers)

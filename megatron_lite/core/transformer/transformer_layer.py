@@ -22,6 +22,7 @@ class TransformerLayer(nn.Module):
         init_method,
         output_layer_init_method,
         tp_group=None,
+        cp_group=None,
     ):
         super().__init__()
         self.layer_number = layer_number
@@ -33,6 +34,7 @@ class TransformerLayer(nn.Module):
             init_method=init_method,
             output_layer_init_method=output_layer_init_method,
             tp_group=tp_group,
+            cp_group=cp_group,
         )
         self.pre_mlp_layernorm = nn.LayerNorm(h, eps=eps, dtype=dtype)
         self.mlp = MLP(

@@ -51,7 +51,12 @@ class GPTModel(nn.Module):
                     config, vocab_size, max_sequence_length, self.tp_group
                 )
         self.decoder = TransformerBlock(
-            config, pp_rank=pp_rank, post_process=post_process, seed=seed, tp_group=self.tp_group
+            config,
+            pp_rank=pp_rank,
+            post_process=post_process,
+            seed=seed,
+            tp_group=self.tp_group,
+            cp_group=pg_collection.cp if pg_collection is not None else None,
         )
         if post_process:
             tied_elsewhere = share_embeddings_and_output_weights and pre_process

@@ -1,0 +1,63 @@
+"""Core causal attention, with context parallelism.
+
+Under context parallelism each CP rank holds two of the sequence's ``2 cp`` chunks (chunk ``r`` and
+chunk ``2 cp - 1 - r``, Megatron's load-balanced split, see ``get_batch_on_this_cp_rank``). Keys and
+values are all-gathered across the CP group; every query attends to the gathered keys at global
+positions up to its own. The gather's backward sums the key/value gradients of all ranks' queries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_lite.core.utils import cp_positions
+
+
+class _AllGatherAlongSequence(torch.autograd.Function):
+    """[b, h, s_local, d] -> [b, h, cp * s_local, d] in CP-rank order. Collective over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group), dim=2)[dist.get_rank(ctx.group)], None
+
+
+class DotProductAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v with a causal mask and optional dropout (per-TP-rank RNG stream)."""
+
+    def __init__(self, attention_dropout: float = 0.0, cp_group=None):
+        super().__init__()
+        self.attention_dropout = attention_dropout
+        self.cp_group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v: [b, heads, s_local, d] -> [b, heads, s_local, d]."""
+        dropout_p = self.attention_dropout if self.training else 0.0
+        mask, causal = None, True
+        if self.cp_group is not None:
+            cp_rank, cp_size = dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group)
+            seq = q.size(2) * cp_size
+            k = _AllGatherAlongSequence.apply(k, self.cp_group)
+            v = _AllGatherAlongSequence.apply(v, self.cp_group)
+            query_pos = cp_positions(seq, cp_rank, cp_size, device=q.device)
+            key_pos = torch.cat([cp_positions(seq, r, cp_size, device=q.device) for r in range(cp_size)])
+            mask, causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1), False
+        # Each TP rank holds different heads, so their dropout masks come from the per-rank stream.
+        with get_cuda_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
+            )
