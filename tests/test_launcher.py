@@ -26,6 +26,12 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _rank_of(pid: int) -> int:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return int(env[b"RANK"])
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
