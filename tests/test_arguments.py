@@ -56,7 +56,16 @@ def test_unknown_flag_gets_close_match_suggestion(capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--num-layer", "4"])
     assert exc.value.code == 2
-    assert "did you mean --num-layers?" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean --num-layers?" in err
+
+
+def test_malformed_value_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--num-layers", "four"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--num-layers" in err and "invalid int value" in err
 
 
 def test_flags_map_onto_config_sections():

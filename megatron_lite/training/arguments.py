@@ -197,6 +197,11 @@ class _Parser(argparse.ArgumentParser):
             self.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
         return namespace
 
+    def error(self, message: str):
+        # One line, like every other input error, instead of argparse's screens of usage.
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
