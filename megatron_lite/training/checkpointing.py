@@ -213,8 +213,14 @@ def _check_layout(root: str, iteration: int) -> None:
 
 
 def _load_shard(root: str, iteration: int) -> dict:
-    shard = os.path.join(f"iter_{iteration:07d}", _my_shard_name(), "model_optim_rng.pt")
-    path = os.path.join(root, shard)
+    path = get_checkpoint_name(
+        root,
+        iteration,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    shard = os.path.relpath(path, root)
     if not os.path.exists(path):
         raise CheckpointError(
             f"--load {root}: iteration {iteration} has no shard {shard}; the checkpoint is incomplete"

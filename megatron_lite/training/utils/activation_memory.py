@@ -41,10 +41,6 @@ class ActivationMemoryTracker:
         for p in parameters:
             self._excluded.add(p.untyped_storage().data_ptr())
 
-    def reset_peak(self) -> None:
-        with self._lock:
-            self.peak_bytes = self.current_bytes
-
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
