@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import termios
 import threading
 import time
 
@@ -86,6 +88,45 @@ def test_killing_one_worker_stops_the_job_fast(tmp_path):
     time.sleep(0.5)
     message = "".join(job.err)
     assert message.count("was killed by SIGKILL") == 1, message
+
+
+def _unread_pipe(capacity: int = 4096) -> tuple[int, int]:
+    """A pipe nobody reads, as small as Linux allows, so it fills within a few iterations."""
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, capacity)
+    return read_end, write_end
+
+
+def _queued_bytes(read_end: int) -> int:
+    return int.from_bytes(fcntl.ioctl(read_end, termios.FIONREAD, b"\0" * 4), "little")
+
+
+def test_a_stalled_output_reader_does_not_keep_a_failed_job_up(tmp_path):
+    out_read, out_write = _unread_pipe()
+    err_read, err_write = _unread_pipe()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen(
+        [sys.executable, PRETRAIN, *LONG_RUN], cwd=tmp_path, env=env, stdout=out_write, stderr=err_write
+    )
+    os.close(out_write)
+    os.close(err_write)
+    try:
+        deadline = time.monotonic() + 120
+        while _queued_bytes(out_read) < 4096 - 512:  # the launcher's stdout is (nearly) full
+            assert proc.poll() is None and time.monotonic() < deadline, "the job's stdout never filled"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the launcher is now blocked writing to it
+        workers = _children(proc.pid)
+        assert len(workers) == 4
+        os.kill(workers[1], signal.SIGKILL)
+        code = proc.wait(timeout=60)
+        assert code != 0
+        assert not any(_alive(pid) for pid in workers)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(out_read)
+        os.close(err_read)
 
 
 def test_sigterm_stops_every_worker_and_flushes_logs(tmp_path):

@@ -3,12 +3,15 @@
 Used by ``pretrain.py`` when it is not already under torchrun. Workers get torchrun's environment
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT). If any worker fails, by exception or by signal, the
 others are stopped within seconds and the launcher exits non-zero, printing the failing rank's error
-once. SIGINT / SIGTERM are forwarded to every worker.
+once. SIGINT / SIGTERM are forwarded to every worker. Failure handling never waits on output: a
+stalled reader of the launcher's stdout (a full pipe, a stuck log shipper) can slow the workers down,
+but cannot keep a failed job up.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -21,6 +24,8 @@ import time
 ERROR_FILE_ENV = "MEGATRON_LITE_ERROR_FILE"
 _GRACE_AFTER_FAILURE_S = 3.0
 _GRACE_AFTER_SIGNAL_S = 60.0
+_DRAIN_S = 2.0  # how long a finished job waits for its last lines to be written
+_QUEUED_LINES = 1024  # per sink; beyond that the workers wait on their own pipes
 # Errors that only say a peer went away: symptoms of another rank's failure, not the cause.
 _SECONDARY = (
     "Connection closed by peer",
@@ -48,12 +53,61 @@ def _die_with_parent() -> None:
         pass
 
 
+class _Output:
+    """One writer thread per sink. Pump threads queue whole lines; only this thread writes, straight
+    to the file descriptor, so a write blocked on a stalled reader holds no lock and no Python buffer
+    that anything else (the failure path, interpreter exit) would wait for."""
+
+    def __init__(self, sink):
+        self.sink = sink
+        self.queue: queue.Queue[str | None] = queue.Queue(maxsize=_QUEUED_LINES)
+        try:
+            sink.flush()
+            self.fd: int | None = sink.fileno()
+        except (AttributeError, OSError, ValueError):
+            self.fd = None  # not a real file (e.g. captured): write through the object
+        self.thread = threading.Thread(target=self._write_lines, daemon=True)
+        self.thread.start()
+
+    def write(self, text: str, timeout: float | None = None) -> None:
+        """Queue ``text``; waits while the queue is full (at most ``timeout`` seconds, then drops it)."""
+        try:
+            self.queue.put(text, timeout=timeout)
+        except queue.Full:
+            pass
+
+    def close(self, deadline: float) -> None:
+        """Let queued lines out until ``deadline`` (time.monotonic()); then give up on them."""
+        try:
+            self.queue.put(None, timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Full:
+            return
+        self.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _write_lines(self) -> None:
+        broken = False
+        while (text := self.queue.get()) is not None:
+            if broken:
+                continue  # keep draining so producers never wait on a closed reader
+            try:
+                if self.fd is None:
+                    self.sink.write(text)
+                    self.sink.flush()
+                    continue
+                data = text.encode(errors="replace")
+                while data:
+                    data = data[os.write(self.fd, data) :]
+            except (BrokenPipeError, OSError, ValueError):
+                broken = True
+
+
 class Launcher:
     def __init__(self, command: list[str], nproc: int):
         self.command, self.nproc = command, nproc
         self.procs: list[subprocess.Popen] = []
         self.error_dir = tempfile.mkdtemp(prefix="megatron_lite_")
-        self.lock = threading.Lock()
+        self.stdout: _Output | None = None
+        self.stderr: _Output | None = None
         self.stopping: int | None = None  # signal number once the user asked to stop
 
     def _env(self, rank: int, port: int) -> dict[str, str]:
@@ -73,13 +127,10 @@ class Launcher:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))
         return env
 
-    def _pump(self, rank: int, stream, sink) -> None:
+    def _pump(self, rank: int, stream, output: _Output) -> None:
         prefix = "" if rank == self.nproc - 1 else f"[rank {rank}] "
         for line in iter(stream.readline, ""):
-            text = line if (not prefix or line.startswith("[Rank ")) else prefix + line
-            with self.lock:
-                sink.write(text)
-                sink.flush()
+            output.write(line if (not prefix or line.startswith("[Rank ")) else prefix + line)
         stream.close()
 
     def _signal_all(self, sig: int) -> None:
@@ -121,6 +172,7 @@ class Launcher:
         port = _free_port()
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         threads = []
+        self.stdout, self.stderr = _Output(sys.stdout), _Output(sys.stderr)
         try:
             for rank in range(self.nproc):
                 self.procs.append(
@@ -136,15 +188,18 @@ class Launcher:
                     )
                 )
             for rank, p in enumerate(self.procs):
-                for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                    t = threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True)
+                for stream, output in ((p.stdout, self.stdout), (p.stderr, self.stderr)):
+                    t = threading.Thread(target=self._pump, args=(rank, stream, output), daemon=True)
                     t.start()
                     threads.append(t)
             return self._monitor()
         finally:
             self._stop_all(0.5)
-            for t in threads:
-                t.join(timeout=2.0)
+            deadline = time.monotonic() + _DRAIN_S
+            for t in threads:  # a pump waiting on a full queue is left behind (daemon)
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+            for output in (self.stdout, self.stderr):
+                output.close(deadline)
             for s, handler in previous.items():
                 signal.signal(s, handler)
             shutil.rmtree(self.error_dir, ignore_errors=True)
@@ -171,8 +226,7 @@ class Launcher:
         self._stop_all(_GRACE_AFTER_FAILURE_S)
         described = [(rank, code, *self._describe(rank, code)) for rank, code in failed]
         rank, code, message, _ = sorted(described, key=lambda d: (d[3], d[0]))[0]
-        with self.lock:
-            print(message, file=sys.stderr, flush=True)
+        self.stderr.write(message + "\n", timeout=_DRAIN_S)
         return code if code > 0 else 128 - code
 
 
