@@ -29,6 +29,8 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
 from megatron_lite.training.utils.train_utils import (  # noqa: E402
+    ACTIVATION_MEMORY_KEYS,
+    CUDA_EXTRA_MEMORY_KEYS,
     MEMORY_KEYS,
     reduce_max_memory_across_pp_group,
     report_memory,
@@ -68,11 +70,13 @@ def pieces(rank: int, port: int, queue) -> None:
     for _ in range(REPS):
         report_memory()
     timings["report_memory()"] = (time.perf_counter() - start) / REPS
-    # This machine's CPU report, and one shaped like a CUDA run's (MEMORY_KEYS + activation keys).
+    # This machine's CPU report, and one shaped like a CUDA run's default report: upstream's
+    # MEMORY_KEYS plus our extras (mem-ooms, activation keys).
+    cuda_keys = {**MEMORY_KEYS, **CUDA_EXTRA_MEMORY_KEYS, **ACTIVATION_MEMORY_KEYS}
     cuda_shaped = {
-        name.replace("bytes", "gigabytes"): float(i) for i, name in enumerate(MEMORY_KEYS.values())
+        name.replace("bytes", "gigabytes") if "bytes" in key else name: float(i)
+        for i, (key, name) in enumerate(cuda_keys.items())
     }
-    cuda_shaped.update({"mem-activation-gigabytes": 0.0, "mem-max-activation-gigabytes": 1.0})
     for label, report in (("cpu", report_memory()), ("cuda-shaped", cuda_shaped)):
 
         def per_key(r=report):

@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,9 @@ from megatron_lite.core.pipeline_parallel import get_forward_backward_func  # no
 from megatron_lite.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron_lite.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: E402
 from megatron_lite.models.gpt_provider import GPTModelProvider  # noqa: E402
+from megatron_lite.training.config import ConfigContainer  # noqa: E402
 from megatron_lite.training.gpt_step import forward_step  # noqa: E402
+from megatron_lite.training.state import GlobalState  # noqa: E402
 from megatron_lite.training.utils.activation_memory import ActivationMemoryTracker  # noqa: E402
 
 PP, LAYERS, HIDDEN, HEADS, SEQ, MBS, GBS, VOCAB = 4, 8, 256, 8, 128, 2, 16, 8192
@@ -85,11 +88,9 @@ def worker(rank, port, rounds, queue):
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     cfg = _provider()
-    ours = DistributedDataParallel(
-        cfg, cfg.provide(pgc, pre_process=first, post_process=last), dp_group=pgc.dp
-    )
-    cfg.finalize_model_grads_func = lambda chunks: finalize_model_grads(chunks, pgc)
-    peer_module = TorchPipelineStage(_provider().provide(pgc, pre_process=first, post_process=last))
+    ours = DistributedDataParallel(cfg, cfg.provide(pre_process=first, post_process=last), dp_group=pgc.dp)
+    cfg.finalize_model_grads_func = finalize_model_grads
+    peer_module = TorchPipelineStage(_provider().provide(pre_process=first, post_process=last))
     peer_stage = PipelineStage(peer_module, rank, PP, torch.device("cpu"), group=pgc.pp)
     peer = Schedule1F1B(peer_stage, MICROBATCHES, loss_fn=_loss)
     schedule = get_forward_backward_func()
@@ -99,7 +100,7 @@ def worker(rank, port, rounds, queue):
         ours.zero_grad_buffer()
         with tracker.track():
             schedule(
-                forward_step_func=forward_step,
+                forward_step_func=partial(forward_step, GlobalState(ConfigContainer())),
                 data_iterator=iter(batches),
                 model=ours,
                 num_microbatches=MICROBATCHES,

@@ -37,6 +37,9 @@ BAD_INPUT = [
         "--seq-length",
     ),
     (["--hidden-dropout", "1.5"], "--hidden-dropout"),
+    (["--train-samples", "160", "--train-iters", "5"], "--train-samples"),
+    (["--lr-decay-samples", "100"], "--lr-decay-samples"),
+    (["--save", "ck", "--ckpt-format", "torch_dist"], "--ckpt-format"),
 ]
 
 
@@ -190,3 +193,11 @@ def test_help_lists_the_flags(tmp_path):
         "--load",
     ):
         assert flag in result.stdout
+
+
+def test_adjusted_values_are_one_note_on_stdout_not_stderr(capsys):
+    cfg = parse_args(["--train-iters", "2", "--lr-warmup-iters", "2"])
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.count("pretrain.py: note: ") == 1 and "capping lr_warmup_steps" in out
+    assert cfg.scheduler.lr_warmup_steps == cfg.scheduler.lr_decay_steps - 1

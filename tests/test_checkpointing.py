@@ -65,7 +65,10 @@ def test_megatron_layout_on_disk(saved_pp2_dp2):
 
     payload = torch.load(ckpt / "iter_0000006" / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=False)
     assert {"model", "optimizer", "opt_param_scheduler", "train_state", "rng_state", "config"} <= set(payload)
-    assert payload["train_state"]["step"] == 6 and payload["train_state"]["consumed_train_samples"] == 48
+    train_state = payload["train_state"]  # upstream's TrainState.state_dict(): 0-d tensors
+    assert train_state["step"].dtype == torch.int64 and train_state["step"].item() == 6
+    assert train_state["consumed_train_samples"].item() == 48
+    assert train_state["floating_point_operations_so_far"].dtype == torch.float64
     assert {"random", "torch", "numpy"} <= set(payload["rng_state"])
     assert payload["config"]["model"]["pipeline_model_parallel_size"] == 2
     assert sorted(parse_losses(first.stdout)) == list(range(1, 7))

@@ -75,6 +75,50 @@ def test_logged_memory_is_the_max_of_every_stage_own_report(tmp_path, per_stage)
     assert logged["memory/mem-max-activation-gigabytes"][ITERS] == pytest.approx(peaks[0])
 
 
+def _train_with_fake_cuda_stats(rank, world, argv):
+    """pretrain() on this rank as if on CUDA: the allocator statistics are fakes that differ by rank."""
+    import torch
+
+    import megatron_lite.training.training as training
+    from megatron_lite.training.arguments import parse_args
+    from megatron_lite.training.gpt_step import forward_step
+    from megatron_lite.training.pretrain import pretrain
+    from megatron_lite.training.utils import memory_utils
+
+    stats = {key: (rank + 1) * 10**9 for key in memory_utils.MEMORY_KEYS}
+    stats.update({"num_alloc_retries": 5 - rank, "num_ooms": 0, "allocation.all.current": 100 + rank})
+    memory_utils._cuda_in_use = lambda: True
+    torch.cuda.memory_stats = lambda *a, **k: dict(stats)
+    training.device_memory_capacity_gigabytes = lambda: 80.0
+    pretrain(parse_args(argv), forward_step)
+
+
+def test_cuda_run_dashboard_tags_are_upstreams(tmp_path):
+    """With CUDA statistics, the memory/* tags are upstream's MEMORY_KEYS names (gigabytes, upstream's
+    spelling), beside our extras, each the max over the pipeline stages."""
+    tb = tmp_path / "tb"
+    argv = [*UNIFORM[:-1], "2", "--log-memory-to-tensorboard", "--tensorboard-dir", str(tb)]
+    argv[argv.index("--pipeline-model-parallel-size") + 1] = "2"
+    run_world(_train_with_fake_cuda_stats, 2, argv)
+    logged = {k: v for k, v in scalars(tb).items() if k.startswith("memory/")}
+    upstream = [
+        "mem-allocated-gigabytes",
+        "mem-active-gigabytes",
+        "mem-inactive-gigabytes",
+        "mem-reserved-gigabytes",
+        "mem-max-allocated-gigabytes",
+        "mem-max-active-gigabytes",
+        "mem-max-inactive-gigabytes",
+        "mem-max-reserved-gigabytes",
+        "mem-alloc-retires",
+        "mem-allocated-count",
+    ]
+    ours = ["mem-ooms", "mem-activation-gigabytes", "mem-max-activation-gigabytes", "capacity-gigabytes"]
+    assert sorted(logged) == sorted(f"memory/{name}" for name in upstream + ours)
+    assert logged["memory/mem-max-reserved-gigabytes"] == {1: 2.0, 2: 2.0}  # stage 1's, the larger
+    assert logged["memory/mem-alloc-retires"][2] == 5 and logged["memory/mem-allocated-count"][2] == 101
+
+
 def test_cli_run_writes_every_sink(tmp_path):
     tb, wb, comet = tmp_path / "tb", tmp_path / "wb", tmp_path / "comet"
     result = run_pretrain(

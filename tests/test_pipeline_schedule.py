@@ -13,7 +13,10 @@ from megatron_lite.core.pipeline_parallel import get_forward_backward_func
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.data.samplers import build_pretraining_data_loader
 from megatron_lite.models.gpt_provider import GPTModelProvider
+from megatron_lite.training.config import ConfigContainer
+from megatron_lite.training.forward_step_func_types import prepare_forward_step_func
 from megatron_lite.training.gpt_step import forward_step
+from megatron_lite.training.state import GlobalState
 from megatron_lite.training.utils.activation_memory import ActivationMemoryTracker
 
 SEQ, MBS = 32, 2
@@ -31,12 +34,11 @@ def _peak_activation_bytes(rank, world, microbatches_list):
         max_position_embeddings=SEQ,
         pipeline_model_parallel_size=world,
     )
-    module = cfg.provide(
-        pgc, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
-    )
+    module = cfg.provide()  # first / last stage from parallel_state's pipeline group
     model = DistributedDataParallel(cfg, module, dp_group=pgc.dp)
-    cfg.finalize_model_grads_func = lambda chunks: finalize_model_grads(chunks, pgc)
+    cfg.finalize_model_grads_func = finalize_model_grads
     schedule = get_forward_backward_func()
+    step = prepare_forward_step_func(forward_step, GlobalState(ConfigContainer()))
     peaks = []
     for num_microbatches in microbatches_list:
         tracker = ActivationMemoryTracker()
@@ -46,9 +48,9 @@ def _peak_activation_bytes(rank, world, microbatches_list):
         model.zero_grad_buffer()
         with tracker.track():
             losses = schedule(
-                forward_step_func=forward_step,
+                forward_step_func=step,
                 data_iterator=it,
-                model=model,
+                model=[model],
                 num_microbatches=num_microbatches,
                 seq_length=SEQ,
                 micro_batch_size=MBS,
@@ -135,9 +137,7 @@ def _bf16_optimizer(rank, world):
     ps.initialize_model_parallel()
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     cfg = GPTModelProvider(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=128, bf16=True)
-    model = DistributedDataParallel(
-        cfg, cfg.provide(pgc, pre_process=True, post_process=True), dp_group=pgc.dp
-    )
+    model = DistributedDataParallel(cfg, cfg.provide(pre_process=True, post_process=True), dp_group=pgc.dp)
     opt = MegatronOptimizer(OptimizerConfig(bf16=True, lr=1e-2), [model], model_parallel_group=pgc.mp)
     tokens = torch.randint(0, 128, (2, 16))
     loss = model(tokens, torch.arange(16).expand(2, 16), labels=tokens).float().mean()
@@ -168,9 +168,7 @@ def _dp_grads_equal(rank, world):
     ps.initialize_model_parallel()
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     cfg = GPTModelProvider(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=128)
-    model = DistributedDataParallel(
-        cfg, cfg.provide(pgc, pre_process=True, post_process=True), dp_group=pgc.dp
-    )
+    model = DistributedDataParallel(cfg, cfg.provide(pre_process=True, post_process=True), dp_group=pgc.dp)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
     model(tokens, torch.arange(16).expand(2, 16), labels=tokens).mean().backward()
     local = torch.cat([p.main_grad.flatten() for p in model.parameters()]).clone()
@@ -199,9 +197,7 @@ def _nan_handling(rank, world):
     ps.initialize_model_parallel()
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     cfg = GPTModelProvider(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=128)
-    model = DistributedDataParallel(
-        cfg, cfg.provide(pgc, pre_process=True, post_process=True), dp_group=pgc.dp
-    )
+    model = DistributedDataParallel(cfg, cfg.provide(pre_process=True, post_process=True), dp_group=pgc.dp)
     opt = MegatronOptimizer(OptimizerConfig(lr=1e-2), [model], model_parallel_group=pgc.mp)
     OptimizerParamScheduler(
         opt,
@@ -220,7 +216,10 @@ def _nan_handling(rank, world):
 
     state = GlobalState(ConfigContainer())
     state.cfg.logger.log_interval = 2
-    state.timers("interval-time").start()
+    state.timers("interval-time", log_level=0).start()
+    from megatron_lite.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
+
+    reconfigure_num_microbatches_calculator(0, None, 16, 2, 1)  # training_log reports the batch size
     totals: dict = {}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -230,6 +229,7 @@ def _nan_handling(rank, world):
                 {"lm loss": torch.tensor(loss)},
                 totals,
                 1e-2,
+                None,  # decoupled learning rate
                 1.0,
                 False,
                 skipped,
@@ -238,7 +238,9 @@ def _nan_handling(rank, world):
                 None,
                 state.cfg,
                 state,
-                pgc,
+                [],  # history_wct
+                [model],
+                pg_collection=pgc,
             )
     lines = out.getvalue().splitlines()
     ps.destroy_model_parallel()
@@ -267,11 +269,12 @@ def _rng_streams(rank, world):
     default_stream = torch.rand(4)
     torch.manual_seed(1234)
     untouched = torch.rand(4)
-    return tp_stream, default_stream, untouched
+    # Lists, not tensors: a tensor's shared memory must outlive the worker process to be read back.
+    return tp_stream.tolist(), default_stream.tolist(), untouched.tolist()
 
 
 def test_dropout_streams_differ_per_tp_rank_and_leave_the_default_stream_alone():
     (tp0, default0, plain0), (tp1, default1, plain1) = run_world(_rng_streams, 2)
-    assert not torch.equal(tp0, tp1)  # attention dropout: different heads, different masks
-    assert torch.equal(default0, default1)  # hidden dropout: the same mask on every TP rank
-    assert torch.equal(default0, plain0)  # forking did not advance the default stream
+    assert tp0 != tp1  # attention dropout: different heads, different masks
+    assert default0 == default1  # hidden dropout: the same mask on every TP rank
+    assert default0 == plain0  # forking did not advance the default stream

@@ -16,7 +16,7 @@ from megatron_lite.training.utils.train_utils import (
     report_memory,
 )
 
-REPORT = {"mem-max-allocated-gigabytes": 1.5, "mem-alloc-retries": 2, "mem-ooms": 0, "flag": True}
+REPORT = {"mem-max-allocated-gigabytes": 1.5, "mem-alloc-retires": 2, "mem-ooms": 0, "flag": True}
 
 
 class FakeGroup:
@@ -91,8 +91,8 @@ def test_one_float64_max_all_reduce_in_key_order(mocker):
     assert seen["op"] == torch.distributed.ReduceOp.MAX and seen["group"] is group
     assert seen["tensor"].dtype == torch.float64 and seen["tensor"].device.type == "cpu"
     assert seen["tensor"].tolist() == [1.5, 2.0, 0.0, 1.0]
-    assert out == {"mem-max-allocated-gigabytes": 3.25, "mem-alloc-retries": 7, "mem-ooms": 1, "flag": 1.0}
-    assert type(out["mem-alloc-retries"]) is int and type(out["mem-ooms"]) is int
+    assert out == {"mem-max-allocated-gigabytes": 3.25, "mem-alloc-retires": 7, "mem-ooms": 1, "flag": 1.0}
+    assert type(out["mem-alloc-retires"]) is int and type(out["mem-ooms"]) is int
     assert type(out["flag"]) is float  # bools are not ints here
     assert REPORT == original and out is not REPORT
 
@@ -110,7 +110,7 @@ def _reduce_in_real_world(rank, world):
     report = {
         "mem-max-activation-gigabytes": 0.5 * (world - rank),
         "mem-rss-gigabytes": 0.1 * rank,
-        "mem-alloc-retries": rank * 3,
+        "mem-alloc-retires": rank * 3,
         "mem-ooms": 0,
     }
     before = dict(report)
@@ -126,7 +126,7 @@ def test_real_gloo_world_of_four():
     expected = {k: max(r[k] for r in reports) for k in reports[0]}
     for _report, reduced, peak, stages in results:
         assert reduced == expected == peak
-        assert type(reduced["mem-alloc-retries"]) is int
+        assert type(reduced["mem-alloc-retires"]) is int
         assert stages == reports
 
 
@@ -159,12 +159,12 @@ def test_report_memory_on_cuda_converts_bytes_and_keeps_counters(mocker):
     report = report_memory()
     assert report["mem-max-allocated-gigabytes"] == 123.46
     assert report["mem-reserved-gigabytes"] == 123.46
-    assert report["mem-alloc-retries"] == 4 and type(report["mem-alloc-retries"]) is int
-    assert report["mem-ooms"] == 1 and report["mem-allocation-count"] == 77
+    assert report["mem-alloc-retires"] == 4 and type(report["mem-alloc-retires"]) is int
+    assert report["mem-ooms"] == 1 and report["mem-allocated-count"] == 77
     assert "mem-max-activation-gigabytes" in report
     assert not any(k.endswith("-bytes") for k in report)
-    only = report_memory({"num_alloc_retries": "mem-alloc-retries"})
-    assert only == {"mem-alloc-retries": 4}
+    only = report_memory({"num_alloc_retries": "mem-alloc-retires"})
+    assert only == {"mem-alloc-retires": 4}
 
 
 def test_activation_tracker_counts_each_storage_once_and_releases_it():

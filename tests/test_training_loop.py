@@ -9,7 +9,7 @@ from test_memory_logging import scalars
 
 ITERATION_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +6 \| consumed samples: +(\d+) \| "
-    r"elapsed time per iteration \(ms\): [\d.]+ \| throughput \(tokens/s\): [\d.]+ \| "
+    r"elapsed time per iteration \(ms\): [\d.]+ \| throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| "
     r"learning rate: \d\.\d{6}E[+-]\d\d \| global batch size: +8 \| lm loss: \d\.\d{6}E[+-]\d\d \| "
     r"loss scale: 1\.0 \| grad norm: [\d.]+ \| params norm: [\d.]+ \| number of skipped iterations: +0 \| "
     r"number of nan iterations: +0 \|$"
@@ -34,7 +34,12 @@ def test_iteration_lines_validation_and_metrics(tmp_path):
             "2",
             "--log-params-norm",
             "--log-throughput",
+            "--log-throughput-to-tensorboard",
+            "--throughput-window-size",
+            "2",
             "--log-timers-to-tensorboard",
+            "--timing-log-level",
+            "1",
             "--tensorboard-dir",
             "tb",
         ],
@@ -60,11 +65,16 @@ def test_iteration_lines_validation_and_metrics(tmp_path):
         "grad-norm",
         "params-norm",
         "loss-scale",
-        "throughput",
         "forward-backward-time",
         "optimizer-time",
     ):
         assert sorted(logged[tag]) == list(range(1, 7)), tag
+        if tag != "forward-backward-time" and tag != "optimizer-time":
+            assert sorted(logged[f"{tag} vs samples"]) == [8 * i for i in range(1, 7)], tag
+    # The windowed rates need two iterations' end times; TFLOP/s and iteration time are per interval.
+    assert sorted(logged["throughput/tokens_per_sec"]) == list(range(2, 7))
+    assert sorted(logged["throughput/tflops/device"]) == sorted(logged["iteration-time"]) == [2, 4, 6]
+    assert logged["throughput/tflops/device"][2] > 0
     assert sorted(logged["lm loss validation"]) == [3, 6]
     assert logged["batch-size"][1] == 8
     assert logged["learning-rate"][1] > logged["learning-rate"][6]

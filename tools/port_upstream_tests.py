@@ -181,6 +181,20 @@ torch.nn.Module.cuda = lambda self, *a, **k: self
 torch.cuda.set_device = lambda *a, **k: None
 torch.cuda.synchronize = lambda *a, **k: None
 
+
+# Likewise device="cuda" in a tensor factory (a fixture's loss tensor, say) makes the tensor here.
+def _here(factory):
+    def make(*args, **kwargs):
+        if "cuda" in str(kwargs.get("device", "")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
+for _name in ("tensor", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange"):
+    setattr(torch, _name, _here(getattr(torch, _name)))
+
 _RESULTS = {}
 
 

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
+
+
+def _normal_init(tensor: torch.Tensor, sigma: float) -> torch.Tensor:
+    return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
 
 
 def init_method_normal(sigma: float):
-    """Normal(0, sigma) initialisation."""
-
-    def init_(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
-
-    return init_
+    """Normal(0, sigma) initialisation. A partial of a module-level function, not a closure, so a
+    config holding it (TransformerConfig.init_method) still pickles into checkpoints."""
+    return functools.partial(_normal_init, sigma=sigma)
 
 
 def scaled_init_method_normal(sigma: float, num_layers: int):
@@ -81,3 +84,32 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+def get_tensor_model_parallel_group_if_none(
+    tp_group, is_expert: bool = False, check_initialized: bool = True
+):
+    """``tp_group``, or parallel_state's tensor-parallel group when it is None and the groups exist.
+
+    Outside torch.distributed this is None; before ``initialize_model_parallel`` ``tp_group`` passes
+    through unchanged, so a None group then means "no tensor parallelism" (upstream's behaviour).
+    """
+    from megatron_lite.core import parallel_state
+
+    if not dist.is_initialized():
+        return None
+    if not parallel_state.is_initialized() or tp_group is not None:
+        return tp_group
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
+def get_pg_size(group=None) -> int:
+    """Size of ``group``; 1 when there is no group (no tensor parallelism, or no distributed run)."""
+    return 1 if group is None else group.size()
+
+
+def get_pg_rank(group=None) -> int:
+    """This process's rank in ``group``; 0 when there is no group."""
+    return 0 if group is None else group.rank()

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lite.core.models.gpt.gpt_model import GPTModel
+from megatron_lite.core.pipeline_parallel.utils import (
+    is_pp_first_stage,
+    is_pp_last_stage,
+    is_vp_first_stage,
+    is_vp_last_stage,
+)
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 
@@ -19,31 +25,51 @@ class GPTModelProvider(TransformerConfig):
     """Pad the vocabulary to a multiple of this times the tensor-parallel size, as Megatron does."""
     seq_length: int = 64
     """Training sequence length."""
-    max_position_embeddings: int = 64
-    """Rows of the position-embedding table."""
+    max_position_embeddings: int | None = None
+    """Rows of the position-embedding table; None means seq_length."""
+    apply_rope_fusion: bool = False
+    """Fused rotary embeddings (RoPE is not supported yet: False)."""
+    calculate_per_token_loss: bool = False
+    """Scale gradients by the token count instead of the microbatch count (not supported yet: False)."""
+    num_query_groups: int | None = None
+    """Key/value head groups (grouped-query attention is not supported yet: None or num_attention_heads)."""
     share_embeddings_and_output_weights: bool = True
     """Tie the output layer to the word embedding."""
+    deallocate_pipeline_outputs: bool = True
+    """Free a stage's sent output right after sending (the 1F1B activation bound), as Megatron-Bridge."""
+    init_seed: int = 1234
+    """Seed of the layout-independent weight init (setup sets it from ``RNGConfig.seed``)."""
+    # Groups the model is built with (parallel_state's when None); setup sets it, as upstream. A
+    # plain class attribute, not a field: checkpoints store the config with ``asdict``, which would
+    # try to copy process groups.
+    _pg_collection = None
 
     @property
     def padded_vocab_size(self) -> int:
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return -(-self.vocab_size // multiple) * multiple
 
-    def provide(
-        self,
-        pg_collection: ProcessGroupCollection,
-        *,
-        pre_process: bool,
-        post_process: bool,
-        seed: int = 1234,
-    ) -> GPTModel:
+    def provide(self, pre_process=None, post_process=None, vp_stage=None) -> GPTModel:
+        """This rank's stage of the GPT. ``pre_process`` (embedding) and ``post_process`` (output layer
+        and loss) default to whether this is the first / last pipeline stage of the provider's groups."""
+        vp_size = getattr(self, "virtual_pipeline_model_parallel_size", None)
+        if vp_size is not None and vp_size > 1:
+            raise NotImplementedError("virtual pipeline stages (interleaving) are not supported yet")
+        pg_collection = self._pg_collection
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        if pre_process is None:
+            pre_process = is_vp_first_stage(vp_stage, vp_size) and is_pp_first_stage(pg_collection.pp)
+        if post_process is None:
+            post_process = is_vp_last_stage(vp_stage, vp_size) and is_pp_last_stage(pg_collection.pp)
         return GPTModel(
             self,
             self.padded_vocab_size,
-            self.max_position_embeddings,
+            self.max_position_embeddings or self.seq_length,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
-            seed=seed,
+            seed=self.init_seed,
             pg_collection=pg_collection,
+            vp_stage=vp_stage,
         )

@@ -12,6 +12,7 @@ import difflib
 import os
 import sys
 import time
+import warnings
 
 from megatron_lite.training.config import ConfigContainer, ConfigError
 
@@ -23,7 +24,7 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--num-attention-heads", "model", "num_attention_heads", int, "Attention heads."),
     ("--ffn-hidden-size", "model", "ffn_hidden_size", int, "MLP hidden size (default 4 x hidden)."),
     ("--kv-channels", "model", "kv_channels", int, "Projection size per head (default hidden / heads)."),
-    ("--seq-length", "dataset", "sequence_length", int, "Tokens per sample."),
+    ("--seq-length", "dataset", "seq_length", int, "Tokens per sample."),
     ("--max-position-embeddings", "model", "max_position_embeddings", int, "Position-embedding rows."),
     ("--vocab-size", "model", "vocab_size", int, "Vocabulary size (mock data)."),
     (
@@ -80,6 +81,7 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ),
     ("--global-batch-size", "train", "global_batch_size", int, "Samples per iteration."),
     ("--train-iters", "train", "train_iters", int, "Iterations to train."),
+    ("--train-samples", "train", "train_samples", int, "Samples to train (instead of --train-iters)."),
     ("--exit-interval", "train", "exit_interval", int, "Exit when the iteration is a multiple of this."),
     (
         "--exit-signal-handler",
@@ -88,8 +90,8 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "store_true",
         "On SIGTERM finish the iteration, save and exit 0.",
     ),
-    ("--eval-interval", "train", "eval_interval", int, "Iterations between validations."),
-    ("--eval-iters", "train", "eval_iters", int, "Iterations per validation."),
+    ("--eval-interval", "validation", "eval_interval", int, "Iterations between validations."),
+    ("--eval-iters", "validation", "eval_iters", int, "Iterations per validation."),
     # Optimizer and schedule
     ("--lr", "optimizer", "lr", float, "Peak learning rate."),
     ("--min-lr", "optimizer", "min_lr", float, "Final learning rate."),
@@ -101,6 +103,8 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--lr-decay-style", "scheduler", "lr_decay_style", str, "constant, linear or cosine."),
     ("--lr-decay-iters", "scheduler", "lr_decay_iters", int, "Decay iterations (default train-iters)."),
     ("--lr-warmup-iters", "scheduler", "lr_warmup_iters", int, "Warmup iterations."),
+    ("--lr-decay-samples", "scheduler", "lr_decay_samples", int, "Decay samples (with --train-samples)."),
+    ("--lr-warmup-samples", "scheduler", "lr_warmup_samples", int, "Warmup samples (with --train-samples)."),
     ("--lr-warmup-fraction", "scheduler", "lr_warmup_fraction", float, "Warmup as a fraction of decay."),
     ("--lr-warmup-init", "scheduler", "lr_warmup_init", float, "Learning rate at the start of warmup."),
     # Data and seeds
@@ -108,7 +112,16 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--seed", "rng", "seed", int, "Random seed (weights and data)."),
     # Logging
     ("--log-interval", "logger", "log_interval", int, "Iterations between console lines."),
-    ("--log-throughput", "logger", "log_throughput", "store_true", "Log tokens/s to the loggers."),
+    ("--log-throughput", "logger", "log_throughput", "store_true", "Print model TFLOP/s per GPU."),
+    (
+        "--log-throughput-to-tensorboard",
+        "logger",
+        "log_throughput_to_tensorboard",
+        "store_true",
+        "Log throughput/* (windowed batches, samples, tokens per second; TFLOP/s) to the loggers.",
+    ),
+    ("--throughput-window-size", "logger", "throughput_window_size", int, "Iterations in the window."),
+    ("--timing-log-level", "logger", "timing_log_level", int, "Timers to log: 0 none, 1 step, 2 all."),
     ("--log-params-norm", "logger", "log_params_norm", "store_true", "Compute and log the parameter norm."),
     ("--tensorboard-dir", "logger", "tensorboard_dir", str, "TensorBoard directory."),
     (
@@ -159,6 +172,7 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--no-load-optim", "checkpoint", "load_optim", "store_false", "Do not load optimizer state."),
     ("--no-load-rng", "checkpoint", "load_rng", "store_false", "Do not load RNG state."),
     ("--finetune", "checkpoint", "finetune", "store_true", "Load weights only; reset the iteration."),
+    ("--ckpt-format", "checkpoint", "ckpt_format", str, "Checkpoint format (only torch so far)."),
     # Launch
     ("--nproc-per-node", "dist", "nproc_per_node", int, "Worker processes (default tp x pp x cp)."),
     ("--distributed-backend", "dist", "distributed_backend", str, "gloo or nccl (default: by hardware)."),
@@ -170,7 +184,6 @@ UNSUPPORTED_FLAGS: dict[str, object] = {
     "--data-path": "+",
     "--split": str,
     "--tokenizer-type": str,
-    "--train-samples": int,
     "--use-distributed-optimizer": "store_true",
     "--num-layers-per-virtual-pipeline-stage": int,
     "--expert-model-parallel-size": int,
@@ -253,14 +266,20 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             setattr(getattr(config, section), name, value)
-    m = config.model
+    t, m = config.train, config.model
+    if args.train_samples is not None and args.train_iters is None:
+        t.train_iters = None  # the demo's default length gives way to --train-samples
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # as pretrain.py decides
+    if config.dist.nproc_per_node is None and not under_torchrun:
+        # pretrain.py launches the workers itself: by default one per model-parallel rank.
+        config.dist.nproc_per_node = config.model_parallel_size
     if args.ffn_hidden_size is None:
         m.ffn_hidden_size = 4 * m.hidden_size
     if args.kv_channels is None:
         m.kv_channels = m.hidden_size // max(m.num_attention_heads, 1)
     if args.max_position_embeddings is None:
-        m.max_position_embeddings = max(m.max_position_embeddings, config.dataset.sequence_length)
-    m.seq_length = config.dataset.sequence_length
+        m.max_position_embeddings = max(m.max_position_embeddings or 0, config.dataset.seq_length)
+    m.seq_length = config.dataset.seq_length
     config.dataset.random_seed = config.rng.seed
     config.optimizer.bf16, config.optimizer.fp16 = m.bf16, m.fp16
     lg = config.logger
@@ -275,8 +294,16 @@ def parse_args(argv: list[str] | None = None) -> ConfigContainer:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
-        config.validate()
+        # validate() warns about values it adjusts (as upstream); the user sees each as one note line
+        # on stdout, so stderr keeps only errors.
+        with warnings.catch_warnings(record=True) as adjusted:
+            warnings.simplefilter("always")
+            config.validate()
     except ConfigError as err:
         print(f"pretrain.py: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    # Once per run: the launcher (or torchrun's rank 0), not every worker it starts.
+    if os.environ.get("RANK", "0") == "0" and "MEGATRON_LITE_ERROR_FILE" not in os.environ:
+        for note in dict.fromkeys(str(w.message) for w in adjusted):
+            print(f"pretrain.py: note: {note}", flush=True)
     return config

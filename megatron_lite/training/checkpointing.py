@@ -272,7 +272,8 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
                 scheduler.load_state_dict(payload["opt_param_scheduler"])
             if cfg.load_rng:
                 _set_rng_state(payload["rng_state"])
-    except (KeyError, RuntimeError, ValueError) as err:
+    # AttributeError / TypeError: a train_state field that is no tensor (another format's checkpoint).
+    except (KeyError, RuntimeError, ValueError, TypeError, AttributeError) as err:
         error = (
             f"--load {cfg.load}: iteration {iteration} does not match this model ({str(err).splitlines()[0]})"
         )

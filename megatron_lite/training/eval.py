@@ -9,6 +9,7 @@ import torch
 from megatron_lite.core import parallel_state
 from megatron_lite.core.pipeline_parallel import get_forward_backward_func
 from megatron_lite.training.config import ConfigContainer
+from megatron_lite.training.forward_step_func_types import prepare_forward_step_func
 from megatron_lite.training.state import GlobalState
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
 from megatron_lite.training.utils.train_utils import mean_over_dp, print_rank_last
@@ -20,28 +21,32 @@ def evaluate(
     """Forward-only over eval_iters global batches; returns the loss averaged over them and DP ranks.
     Collective over the pipeline and data-parallel groups."""
     forward_backward = get_forward_backward_func(config.model.pipeline_model_parallel_size)
+    forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
     totals: dict[str, torch.Tensor] = {}
     model.eval()  # no dropout while validating
     with torch.no_grad():
-        for _ in range(config.train.eval_iters):
+        v = config.validation  # eval batch sizes: resolved from train's by ConfigContainer.validate
+        eval_mbs = v.eval_micro_batch_size or config.train.micro_batch_size
+        eval_gbs = v.eval_global_batch_size or config.train.global_batch_size
+        for _ in range(v.eval_iters):
             losses = forward_backward(
                 forward_step_func=forward_step_func,
                 data_iterator=data_iterator,
                 model=model,
-                num_microbatches=config.num_microbatches,
+                num_microbatches=eval_gbs // (eval_mbs * config.data_parallel_size),
                 seq_length=config.dataset.sequence_length,
-                micro_batch_size=config.train.micro_batch_size,
+                micro_batch_size=eval_mbs,
                 forward_only=True,
                 pg_collection=pg_collection,
             )
-            global_state.train_state.consumed_valid_samples += config.train.global_batch_size
+            global_state.train_state.consumed_valid_samples += eval_gbs
             for key in losses[0] if losses else {}:
                 totals[key] = totals.get(key, 0.0) + torch.stack([x[key] for x in losses]).mean()
     model.train()
     if not parallel_state.is_pipeline_last_stage():
         return {}
     keys = list(totals)
-    means = mean_over_dp([totals[k] / config.train.eval_iters for k in keys], pg_collection.dp_cp)
+    means = mean_over_dp([totals[k] / config.validation.eval_iters for k in keys], pg_collection.dp_cp)
     return dict(zip(keys, means))
 
 

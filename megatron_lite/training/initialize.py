@@ -59,5 +59,5 @@ def initialize_megatron(config: ConfigContainer) -> ProcessGroupCollection:
     # As Megatron: dropout streams differ per pipeline stage (and per TP rank inside the TP region).
     seed = config.rng.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     set_random_seeds(seed)
-    model_parallel_cuda_manual_seed(seed, parallel_state.get_tensor_model_parallel_rank())
+    model_parallel_cuda_manual_seed(seed, tp_rank=parallel_state.get_tensor_model_parallel_rank())
     return ProcessGroupCollection.use_mpu_process_groups()

@@ -7,7 +7,6 @@ from functools import partial
 
 import torch.distributed as dist
 
-from megatron_lite.core import parallel_state
 from megatron_lite.core.datasets.gpt_dataset import MockGPTDataset
 from megatron_lite.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.core.optimizer import MegatronOptimizer, OptimizerParamScheduler
@@ -41,6 +40,8 @@ def get_optimizer_param_scheduler(config: ConfigContainer, optimizer) -> Optimiz
         if s.lr_warmup_fraction is not None
         else s.lr_warmup_iters * gbs
     )
+    if s.lr_decay_steps is not None:  # derived by ConfigContainer.validate (iterations or samples)
+        decay_steps, warmup_steps = s.lr_decay_steps, int(s.lr_warmup_steps)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=s.lr_warmup_init,
@@ -56,20 +57,27 @@ def build_data_iterators(config: ConfigContainer, state: GlobalState, pg_collect
     """Train and validation iterators positioned at the restored consumed-sample counts."""
     t, m, ds = config.train, config.model, config.dataset
     dp_rank, dp_size = dist.get_rank(pg_collection.dp), dist.get_world_size(pg_collection.dp)
-    evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
+    v = config.validation
+    evals = (t.train_iters // v.eval_interval + 1) if v.eval_interval else 0
 
-    def loader(seed: int, num_samples: int, consumed: int):
+    def loader(seed: int, num_samples: int, consumed: int, micro_batch_size: int):
         if num_samples <= consumed:
             return None
         dataset = MockGPTDataset(
             vocab_size=m.vocab_size, sequence_length=ds.sequence_length, seed=seed, num_samples=num_samples
         )
-        return iter(build_pretraining_data_loader(dataset, consumed, t.micro_batch_size, dp_rank, dp_size))
+        return iter(build_pretraining_data_loader(dataset, consumed, micro_batch_size, dp_rank, dp_size))
 
     ts = state.train_state
-    train = loader(ds.random_seed, t.train_iters * t.global_batch_size, ts.consumed_train_samples)
+    train = loader(
+        ds.random_seed, t.train_iters * t.global_batch_size, ts.consumed_train_samples, t.micro_batch_size
+    )
+    eval_gbs = v.eval_global_batch_size or t.global_batch_size
     valid = loader(
-        ds.random_seed + 1, max(evals * t.eval_iters * t.global_batch_size, 1), ts.consumed_valid_samples
+        ds.random_seed + 1,
+        max(evals * v.eval_iters * eval_gbs, 1),
+        ts.consumed_valid_samples,
+        v.eval_micro_batch_size or t.micro_batch_size,
     )
     return train, valid
 
@@ -79,17 +87,15 @@ def setup(state: GlobalState) -> SetupOutput:
     config = state.cfg
     pg_collection = initialize_megatron(config)
     model_config = config.model
-    module = model_config.provide(
-        pg_collection,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        seed=config.rng.seed,
-    )
+    model_config._pg_collection = pg_collection
+    model_config.init_seed = config.rng.seed
+    module = model_config.provide()  # this stage's part: first / last stage decided from the pp group
     # Weights are drawn on the CPU (layout-independent init), then live where the collectives run.
     module.to(get_collective_device())
     # Context-parallel ranks hold the same weights and see different tokens: average over both.
     model = DistributedDataParallel(model_config, module, dp_group=pg_collection.dp_cp)
-    # The schedules call this after the last microbatch of each step.
+    # The schedules call these: no_sync around all but the last microbatch, finalize after it.
+    model_config.no_sync_func = model.no_sync
     model_config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg_collection)
     ACTIVATION_MEMORY.exclude_parameters(module.parameters())
 

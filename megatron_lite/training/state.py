@@ -1,36 +1,90 @@
-"""GlobalState: the run's config, progress, timers and (lazily, on the last rank only) its loggers."""
+"""GlobalState: the run's config, progress, timers, SIGTERM trap and (lazily, on the last rank only)
+its loggers, with Megatron-Bridge's attribute names.
+
+Features this project does not have (fault tolerance, straggler detection, async checkpoint saves,
+energy monitoring, tokenizers) keep upstream's private attributes, always None, so code that checks
+them runs unchanged. ``async_calls_queue``, ``energy_monitor`` and ``nvrx_straggler_manager`` answer
+None; the latter two raise NotImplementedError when the config asks for the feature.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import json
+import signal
+import time
+import types
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from megatron_lite.core.timers import Timers
 from megatron_lite.training.config import ConfigContainer
+from megatron_lite.training.utils import logger_factories
+from megatron_lite.training.utils.sig_utils import DistributedSignalHandler
+from megatron_lite.training.utils.timer_sinks import (  # upstream defines these here: importable from state
+    _timers_write_to_comet,
+    _timers_write_to_mlflow,
+    _timers_write_to_wandb,
+)
+from megatron_lite.utils.common_utils import get_rank_safe, get_world_size_safe
+
+# TrainState fields and the tensor dtype each is checkpointed as (int64: no overflow on long runs).
+_TRAIN_STATE_DTYPES = {
+    "step": torch.int64,
+    "consumed_train_samples": torch.int64,
+    "skipped_train_samples": torch.int64,
+    "consumed_valid_samples": torch.int64,
+    "floating_point_operations_so_far": torch.float64,
+    "do_train": torch.bool,
+    "do_valid": torch.bool,
+    "do_test": torch.bool,
+}
+
+# Hooks the training loop installs on the model config; a restarted run must install fresh ones.
+_MODEL_CONFIG_CALLBACKS = (
+    "finalize_model_grads_func",
+    "grad_scale_func",
+    "no_sync_func",
+    "grad_sync_func",
+    "param_sync_func",
+)
 
 
 @dataclass
 class TrainState:
-    """Training progress; checkpointed and restored exactly."""
+    """Training progress; checkpointed as tensors and restored exactly."""
 
     step: int = 0
+    """Iterations completed."""
     consumed_train_samples: int = 0
+    """Training samples consumed (skipped iterations included)."""
     skipped_train_samples: int = 0
+    """Samples of iterations skipped for a NaN/inf gradient."""
     consumed_valid_samples: int = 0
+    """Validation samples consumed."""
     floating_point_operations_so_far: int = 0
-    do_train: bool = True
+    """Model FLOPs spent so far (a float once loaded from a checkpoint)."""
+    do_train: bool = False
+    """Whether this run trains."""
     do_valid: bool = False
+    """Whether this run validates."""
+    do_test: bool = False
+    """Whether this run tests."""
 
-    def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every field as a 0-d tensor (int64, float64 or bool)."""
+        return {
+            name: torch.tensor(getattr(self, name), dtype=dtype)
+            for name, dtype in _TRAIN_STATE_DTYPES.items()
+        }
 
-    def load_state_dict(self, state: dict) -> None:
-        for f in dataclasses.fields(self):
-            if f.name in state:
-                setattr(self, f.name, state[f.name])
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Restore every field from ``state_dict()``'s tensors (any integer dtype is accepted)."""
+        for name in _TRAIN_STATE_DTYPES:
+            setattr(self, name, state_dict[name].item())
 
 
 class LoggerStartupError(RuntimeError):
@@ -39,107 +93,162 @@ class LoggerStartupError(RuntimeError):
 
 def _is_writer_rank() -> bool:
     """Loggers live on the last rank, as upstream: rank world_size - 1 (the last pipeline stage)."""
-    if not dist.is_initialized():
-        return True
-    return dist.get_rank() == dist.get_world_size() - 1
+    return get_rank_safe() == get_world_size_safe() - 1
+
+
+def _not_supported(feature: str) -> NotImplementedError:
+    return NotImplementedError(f"{feature} is not supported by megatron_lite")
 
 
 class GlobalState:
-    """Each logger is created on first access, on rank world_size - 1 only; None elsewhere.
+    """Everything a run shares; each part is created on first access.
 
-    Logger settings are validated by ConfigContainer.validate on every rank before any collective, so
-    creating a logger here never fails on one rank while the others wait.
+    Loggers are created on rank world_size - 1 only (None elsewhere). Logger settings are validated
+    by ConfigContainer.validate on every rank before any collective, and :meth:`start_loggers` creates
+    them at start-up, so a bad setting never fails on one rank while the others wait.
     """
 
-    def __init__(self, cfg: ConfigContainer | None = None):
-        self.cfg = cfg
-        self.train_state = TrainState()
-        self.timers = Timers()
-        self.last_iteration_time = 0.0
-        """Seconds the latest iteration took (for throughput)."""
+    def __init__(self, cfg: ConfigContainer | None = None) -> None:
+        """``GlobalState()`` as upstream, then set ``.cfg``; ``GlobalState(cfg)`` does both at once."""
+        if getattr(self, "_initialized", False):  # a second __init__ keeps the live state
+            return
+        self._initialized = True
+        self._cfg: ConfigContainer | None = None
+        self._tokenizer = None
         self._tensorboard_logger = None
         self._wandb_logger = None
         self._mlflow_logger = None
         self._comet_logger = None
+        self._timers: Timers | None = None
+        self._train_state: TrainState | None = None
+        self._signal_handler: DistributedSignalHandler | None = None
+        self.start_time: float = time.time()
+        """Wall-clock time this state was created (the run's start)."""
+        self.last_iteration_time = 0.0
+        """Seconds the latest iteration took (for throughput)."""
+        # Upstream features this project lacks: always None / False (see the module docstring).
+        self.rank_monitor_client = None
+        self._ft_state = None
+        self._straggler_timer = None
+        self._async_calls_queue = None
+        self._nvrx_straggler_manager = None
+        self._nvrx_straggler_created = False
+        self._energy_monitor = None
+        self._energy_monitor_created = False
+        self._train_pgs = None
+        self._eval_pgs = None
+        if cfg is not None:
+            self.cfg = cfg
+
+    @property
+    def cfg(self) -> ConfigContainer | None:
+        """The run's configuration."""
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, value: ConfigContainer | None) -> None:
+        # The SIGTERM trap goes in as soon as the config says so, so a signal during setup counts too.
+        self._cfg = value
+        if value is not None:
+            self._set_signal_handler()
+
+    @property
+    def train_state(self) -> TrainState:
+        """Training progress (created empty on first access)."""
+        if self._train_state is None:
+            self._train_state = TrainState()
+        return self._train_state
+
+    @train_state.setter
+    def train_state(self, value: TrainState) -> None:
+        self._train_state = value
+
+    @property
+    def timers(self) -> Timers:
+        """The run's Timers (logger.timing_log_level / timing_log_option), with ``write_to_wandb``,
+        ``write_to_mlflow`` and ``write_to_comet`` beside Timers.write (TensorBoard)."""
+        if self._timers is None:
+            lg = self.cfg.logger
+            self._timers = Timers(lg.timing_log_level, lg.timing_log_option)
+            self._timers.write_to_wandb = types.MethodType(_timers_write_to_wandb, self._timers)
+            self._timers.write_to_mlflow = types.MethodType(_timers_write_to_mlflow, self._timers)
+            self._timers.write_to_comet = types.MethodType(_timers_write_to_comet, self._timers)
+        return self._timers
+
+    @property
+    def signal_handler(self) -> DistributedSignalHandler | None:
+        """The trap for train.exit_signal when train.exit_signal_handler is on, else None."""
+        if self._signal_handler is None:
+            self._set_signal_handler()
+        return self._signal_handler
+
+    def _set_signal_handler(self) -> None:
+        train = self.cfg.train
+        if train is not None and train.exit_signal_handler:
+            sig = getattr(train, "exit_signal", signal.SIGTERM)
+            self._signal_handler = DistributedSignalHandler(sig).__enter__()
 
     @property
     def tensorboard_logger(self):
-        """A torch.utils.tensorboard.SummaryWriter, or None."""
+        """A torch.utils.tensorboard SummaryWriter, or None."""
         lg = self.cfg.logger
         if self._tensorboard_logger is None and lg.tensorboard_dir and _is_writer_rank():
-            from torch.utils.tensorboard import SummaryWriter
-
-            # On resume, drop events a crashed earlier run wrote past the checkpoint: no duplicate steps.
-            purge_step = self.train_state.step + 1 if self.train_state.step > 0 else None
-            self._tensorboard_logger = SummaryWriter(
-                log_dir=lg.tensorboard_dir, max_queue=lg.tensorboard_queue_size, purge_step=purge_step
-            )
+            self._tensorboard_logger = logger_factories.make_tensorboard_writer(lg, self.train_state.step)
         return self._tensorboard_logger
 
     @property
     def wandb_logger(self):
-        """The W&B run (``wandb.init``), or None."""
+        """The ``wandb`` module with this run initialised, or None."""
         lg = self.cfg.logger
         if self._wandb_logger is None and lg.wandb_project and _is_writer_rank():
-            import wandb
-
-            save_dir = lg.wandb_save_dir or os.path.join(lg.tensorboard_dir or ".", "wandb")
-            os.makedirs(save_dir, exist_ok=True)
-            self._wandb_logger = wandb.init(
-                project=lg.wandb_project,
-                name=lg.wandb_exp_name,
-                entity=lg.wandb_entity,
-                dir=save_dir,
-                config=dataclasses.asdict(self.cfg),
-                settings=wandb.Settings(console="off", silent=True),
-            )
+            if lg.wandb_exp_name == "":
+                raise ValueError("Please specify the wandb experiment name!")
+            self._wandb_logger = logger_factories.make_wandb(self.cfg, _sanitized_config(self.cfg))
         return self._wandb_logger
 
     @property
     def mlflow_logger(self):
         """The ``mlflow`` module with this run active, or None."""
-        lg = self.cfg.logger
-        if self._mlflow_logger is None and lg.mlflow_experiment and _is_writer_rank():
-            import mlflow
-
-            if lg.mlflow_tracking_uri:
-                if lg.mlflow_tracking_uri.startswith("file:") or "://" not in lg.mlflow_tracking_uri:
-                    # Asking for a file store is asking for it: MLflow 3 otherwise refuses one.
-                    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-                mlflow.set_tracking_uri(lg.mlflow_tracking_uri)
-            mlflow.set_experiment(lg.mlflow_experiment)
-            mlflow.start_run(run_name=lg.mlflow_run_name)
-            self._mlflow_logger = mlflow
+        cfg = self.cfg
+        if (
+            self._mlflow_logger is None
+            and cfg is not None
+            and cfg.logger.mlflow_experiment
+            and _is_writer_rank()
+        ):
+            if cfg.logger.mlflow_run_name == "":
+                raise ValueError("Please specify the mlflow_run_name for MLFlow logging!")
+            self._mlflow_logger = logger_factories.make_mlflow(cfg.logger, _sanitized_config(cfg))
         return self._mlflow_logger
 
     @property
     def comet_logger(self):
         """A comet_ml Experiment (offline when comet_offline_directory is set), or None."""
-        lg = self.cfg.logger
-        if self._comet_logger is None and lg.comet_project and _is_writer_rank():
-            import comet_ml
-
-            common = {
-                "project_name": lg.comet_project,
-                "workspace": lg.comet_workspace,
-                "auto_output_logging": False,
-                "log_env_details": False,
-                "log_git_metadata": False,
-                "log_git_patch": False,
-                "log_env_gpu": False,
-                "log_env_host": False,
-                "display_summary_level": 0,
-            }
-            if lg.comet_offline_directory:
-                os.makedirs(lg.comet_offline_directory, exist_ok=True)
-                experiment = comet_ml.OfflineExperiment(
-                    offline_directory=lg.comet_offline_directory, **common
-                )
-            else:
-                experiment = comet_ml.Experiment(**common)
-            experiment.set_name(lg.comet_experiment_name)
-            self._comet_logger = experiment
+        cfg = self.cfg
+        if self._comet_logger is None and cfg is not None and cfg.logger.comet_project and _is_writer_rank():
+            if not cfg.logger.comet_experiment_name:
+                raise ValueError("Please specify the comet_experiment_name for Comet ML logging!")
+            self._comet_logger = logger_factories.make_comet(cfg.logger, _sanitized_config(cfg))
         return self._comet_logger
+
+    @property
+    def async_calls_queue(self) -> Any:
+        """Upstream's queue of asynchronous checkpoint saves; always None (saves are synchronous)."""
+        return self._async_calls_queue
+
+    @property
+    def nvrx_straggler_manager(self) -> Any:
+        """None: NVRx straggler detection is not supported (cfg.nvrx_straggler must stay None)."""
+        if self.cfg is not None and getattr(self.cfg, "nvrx_straggler", None) is not None:
+            raise _not_supported("NVRx straggler detection")
+        return self._nvrx_straggler_manager
+
+    @property
+    def energy_monitor(self) -> Any:
+        """None: energy monitoring is not supported (logger.log_energy must stay off)."""
+        if self.cfg is not None and getattr(self.cfg.logger, "log_energy", False):
+            raise _not_supported("energy monitoring (logger.log_energy)")
+        return self._energy_monitor
 
     def start_loggers(self) -> None:
         """Create this rank's loggers now, so a bad setting fails at start-up on every rank together
@@ -171,3 +280,35 @@ class GlobalState:
         if self._comet_logger is not None:
             self._comet_logger.end()
             self._comet_logger = None
+
+    def reset_for_restart(self) -> None:
+        """Drop everything a restarted run must build afresh (timers, progress, loggers, the signal
+        trap), keeping the config. The TensorBoard writer is closed; other loggers are just forgotten."""
+        if self.cfg is not None:
+            # Callbacks the previous attempt installed on the model config point at its dead objects.
+            model_config = getattr(self.cfg.model, "transformer", self.cfg.model)
+            for name in _MODEL_CONFIG_CALLBACKS:
+                if hasattr(model_config, name):
+                    setattr(model_config, name, None)
+        self._timers = None
+        self._train_state = None
+        if self._tensorboard_logger is not None:
+            self._tensorboard_logger.close()
+        self._tensorboard_logger = None
+        self._wandb_logger = None
+        self._mlflow_logger = None
+        self._comet_logger = None
+        self._energy_monitor = None
+        self._energy_monitor_created = False
+        if self._signal_handler is not None:
+            self._signal_handler.release()
+        self._signal_handler = None
+        self._straggler_timer = None
+        self._nvrx_straggler_manager = None
+        self._nvrx_straggler_created = False
+
+
+def _sanitized_config(cfg) -> dict:
+    """The config as plain JSON values (anything else as its str), for the loggers' run parameters."""
+    raw = cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg)
+    return json.loads(json.dumps(raw, default=logger_factories.safe_serialize))

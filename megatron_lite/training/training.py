@@ -1,41 +1,32 @@
-"""The training loop: train(), train_step(), training_log() and evaluate()."""
+"""The training loop: train() and train_step(); training_log is upstream's, from train_utils."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from datetime import datetime
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
-from megatron_lite.core import parallel_state
+from megatron_lite.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
 from megatron_lite.core.pipeline_parallel import get_forward_backward_func
 from megatron_lite.training import checkpointing
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.eval import evaluate_and_print_results
-from megatron_lite.training.state import GlobalState
+from megatron_lite.training.forward_step_func_types import prepare_forward_step_func
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
-from megatron_lite.training.utils.metrics_writer import MetricsWriter
-from megatron_lite.training.utils.sig_utils import DistributedSignalHandler
+from megatron_lite.training.utils.flop_utils import num_floating_point_operations
 from megatron_lite.training.utils.train_utils import (
     device_memory_capacity_gigabytes,
-    format_memory_line,
     gather_memory_across_pp_group,
-    mean_over_dp,
     print_rank_last,
     reduce_max_memory_across_pp_group,
     report_memory,
+    training_log,
 )
 
-ADVANCED, SKIPPED, NAN = "advanced iterations", "skipped iterations", "nan iterations"
-
-
-def _loggers_configured(config: ConfigContainer) -> bool:
-    """Whether any sink is configured: the same answer on every rank, unlike 'does my rank log'."""
-    lg = config.logger
-    return bool(lg.tensorboard_dir or lg.wandb_project or lg.mlflow_experiment or lg.comet_project)
+__all__ = ["train", "train_step", "training_log"]
 
 
 def train_step(
@@ -69,14 +60,29 @@ def train_step(
     timers("optimizer").stop()
     if update_successful:
         scheduler.step(increment=config.train.global_batch_size)
-    # Loss stays a tensor (this rank's mean over its microbatches) until log time.
-    loss_dict = {key: torch.stack([x[key] for x in losses]).mean() for key in (losses[0] if losses else {})}
-    return loss_dict, int(not update_successful), grad_norm, num_zeros
+    return _mean_loss_over_dp(losses, pg_collection.dp_cp), int(not update_successful), grad_norm, num_zeros
 
 
-def _memory_metrics(lg, pp_group) -> tuple[dict[str, float], dict]:
-    """This rank's report and the ``memory/*`` metrics: every key's max over the pipeline stages, and
-    with --log-memory-per-pp-stage each stage's own value. Collective over ``pp_group``."""
+def _mean_loss_over_dp(losses: list[dict], dp_cp_group) -> dict[str, torch.Tensor]:
+    """Each loss averaged over this rank's microbatches and then over the data-parallel ranks, as
+    upstream's train_step hands them to training_log; {} off the last pipeline stage (no losses).
+    Collective over ``dp_cp_group`` on the ranks that hold losses (all of that group, or none)."""
+    if not losses:
+        return {}
+    keys = list(losses[0])
+    means = torch.stack([torch.stack([x[k].detach().float() for x in losses]).mean() for k in keys])
+    if dist.get_world_size(dp_cp_group) > 1:
+        dist.all_reduce(means, group=dp_cp_group)
+        means /= dist.get_world_size(dp_cp_group)
+    return dict(zip(keys, means.unbind()))
+
+
+def _memory_metrics(lg, iteration: int, pp_group) -> dict[str, float] | None:
+    """This step's ``memory/*`` metrics: every key's max over the pipeline stages, and with
+    --log-memory-per-pp-stage each stage's own value; None when memory is not logged this step.
+    Collective over ``pp_group``: every PP rank calls it, before training_log's writer-gated block."""
+    if not (lg.log_memory_to_tensorboard and iteration % lg.tensorboard_log_interval == 0):
+        return None
     local_report = report_memory(lg.memory_keys)
     metrics: dict[str, float] = {}
     if lg.log_memory_per_pp_stage:
@@ -88,143 +94,30 @@ def _memory_metrics(lg, pp_group) -> tuple[dict[str, float], dict]:
     metrics.update({f"memory/{k}": v for k, v in peak.items()})
     if (capacity := device_memory_capacity_gigabytes()) is not None:
         metrics["memory/capacity-gigabytes"] = capacity
-    return metrics, local_report
-
-
-def _iteration_line(
-    config, ts, learning_rate, loss_scale, grad_norm, params_norm, per_iter, interval_losses, counts
-) -> str:
-    """Megatron's console line for the interval ending at this iteration."""
-    tokens_per_s = (
-        config.train.global_batch_size * config.dataset.sequence_length / per_iter if per_iter else 0.0
-    )
-    line = (
-        f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {ts.step:8d}/{config.train.train_iters:8d} |"
-        f" consumed samples: {ts.consumed_train_samples:12d} |"
-        f" elapsed time per iteration (ms): {per_iter * 1000.0:.1f} |"
-        f" throughput (tokens/s): {tokens_per_s:.1f} |"
-        f" learning rate: {learning_rate:.6E} |"
-        f" global batch size: {config.train.global_batch_size:5d} |"
-    )
-    for key, total in interval_losses.items():
-        avg = total / max(1, counts[ADVANCED])
-        if avg > 0.0:
-            line += f" {key}: {avg:.6E} |"
-    line += f" loss scale: {loss_scale:.1f} |"
-    if grad_norm is not None:
-        line += f" grad norm: {grad_norm:.3f} |"
-    if params_norm is not None:
-        line += f" params norm: {params_norm:.3f} |"
-    return line + (
-        f" number of skipped iterations: {counts[SKIPPED]:3d} | number of nan iterations: {counts[NAN]:3d} |"
-    )
-
-
-def training_log(
-    loss_dict,
-    total_loss_dict,
-    learning_rate,
-    loss_scale,
-    report_memory_flag,
-    skipped_iter,
-    grad_norm,
-    params_norm,
-    num_zeros_in_grad,
-    config: ConfigContainer,
-    global_state: GlobalState,
-    pg_collection,
-) -> bool:
-    """Log one iteration. Call on every rank: the memory reduction and the loss reduction below are
-    collectives, gated only by config and iteration. Returns the new report_memory_flag."""
-    lg, ts, timers = config.logger, global_state.train_state, global_state.timers
-    iteration = ts.step
-
-    # Interval bookkeeping (a NaN loss is only checked on skipped iterations, as in Megatron).
-    total_loss_dict[ADVANCED] = total_loss_dict.get(ADVANCED, 0) + (1 - skipped_iter)
-    total_loss_dict[SKIPPED] = total_loss_dict.get(SKIPPED, 0) + skipped_iter
-    got_nan = skipped_iter and any(not math.isfinite(v.item()) for v in loss_dict.values())
-    total_loss_dict[NAN] = total_loss_dict.get(NAN, 0) + int(got_nan)
-    if not skipped_iter:
-        for key, value in loss_dict.items():
-            total_loss_dict[key] = (
-                total_loss_dict[key] + value.double() if key in total_loss_dict else value.double()
-            )
-
-    # 1. Memory: collective over the pipeline group, on every stage, before any writer check.
-    tb_step = iteration % lg.tensorboard_log_interval == 0
-    metrics, local_report = (
-        _memory_metrics(lg, pg_collection.pp) if lg.log_memory_to_tensorboard and tb_step else ({}, None)
-    )
-
-    # 2. Loss: one data-parallel reduction per logged step, on the stage that holds the loss.
-    console_step = iteration % lg.log_interval == 0
-    loss_keys = [k for k in total_loss_dict if k not in (ADVANCED, SKIPPED, NAN)]
-    current, interval = {}, {}
-    last_stage = dist.get_rank(pg_collection.pp) == dist.get_world_size(pg_collection.pp) - 1
-    if last_stage and (console_step or (tb_step and _loggers_configured(config))):
-        keys = list(loss_dict)
-        reduced = mean_over_dp(
-            [loss_dict[k] for k in keys] + [total_loss_dict[k] for k in loss_keys], pg_collection.dp_cp
-        )
-        current, interval = dict(zip(keys, reduced)), dict(zip(loss_keys, reduced[len(keys) :]))
-
-    # 3. Write: only the last rank has loggers; on every other rank the writer has no sinks.
-    writer = MetricsWriter.from_state(global_state)
-    loggers_exist = bool(writer)
-    if loggers_exist and tb_step:
-        metrics.update(
-            {"learning-rate": learning_rate, "batch-size": config.train.global_batch_size, **current}
-        )
-        if lg.log_loss_scale_to_tensorboard:
-            metrics["loss-scale"] = loss_scale
-        if grad_norm is not None and math.isfinite(grad_norm):
-            metrics["grad-norm"] = grad_norm
-        if params_norm is not None:
-            metrics["params-norm"] = params_norm
-        if lg.log_timers_to_tensorboard:
-            spent = timers.elapsed_times(["forward-backward", "optimizer"], reset=True)
-            metrics.update({f"{name}-time": seconds for name, seconds in spent.items()})
-        if lg.log_throughput and global_state.last_iteration_time:
-            tokens = config.train.global_batch_size * config.dataset.sequence_length
-            metrics["throughput"] = tokens / global_state.last_iteration_time
-        writer.write(metrics, iteration)
-
-    if console_step:
-        per_iter = timers("interval-time").elapsed(reset=True) / max(
-            1, total_loss_dict[ADVANCED] + total_loss_dict[SKIPPED]
-        )
-        print_rank_last(
-            _iteration_line(
-                config,
-                ts,
-                learning_rate,
-                loss_scale,
-                grad_norm,
-                params_norm,
-                per_iter,
-                interval,
-                total_loss_dict,
-            )
-        )
-        total_loss_dict.clear()
-        if report_memory_flag:
-            # Every stage prints its own line (data-parallel rank 0), so the console shows each stage.
-            if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
-                report = local_report or report_memory(lg.memory_keys)
-                print(format_memory_line(dist.get_rank(), iteration, report), flush=True)
-            report_memory_flag = False
-    return report_memory_flag
+    return metrics
 
 
 def train(forward_step_func, setup_output) -> None:
     """Run iterations until train_iters, exit_interval or an agreed SIGTERM; save as configured."""
     s = setup_output
+    # Once: a step taking the state first (Megatron-Bridge style) gets it bound here.
+    forward_step_func = prepare_forward_step_func(forward_step_func, s.state)
     state, config = s.state, s.state.cfg
     ts, timers, ckpt = state.train_state, state.timers, config.checkpoint
     total_loss_dict: dict = {}
     report_memory_flag = True
-    handler = DistributedSignalHandler() if config.train.exit_signal_handler else contextlib.nullcontext()
+    handler = contextlib.nullcontext()  # the SIGTERM trap is state.signal_handler, set with the config
     last_saved = ts.step if ckpt.load else -1
+    loaded_iteration = ts.step
+    # Wall-clock end times of the latest iterations, for the windowed throughput report.
+    history_wct: deque[float] = deque(maxlen=getattr(config.logger, "throughput_window_size", 100) + 1)
+    reconfigure_num_microbatches_calculator(
+        dist.get_rank(),
+        None,
+        config.train.global_batch_size,
+        config.train.micro_batch_size,
+        config.data_parallel_size,
+    )
 
     def save() -> None:
         nonlocal last_saved
@@ -249,12 +142,20 @@ def train(forward_step_func, setup_output) -> None:
             ts.step += 1
             ts.consumed_train_samples += config.train.global_batch_size
             ts.skipped_train_samples += skipped * config.train.global_batch_size
+            ts.floating_point_operations_so_far += num_floating_point_operations(
+                config, config.train.global_batch_size
+            )
             state.last_iteration_time = time.perf_counter() - start
+            history_wct.append(time.time() - state.start_time)
             params_norm = s.optimizer.get_params_norm() if config.logger.log_params_norm else None
+            # Memory: collective over the pipeline group on EVERY PP rank, here, before training_log's
+            # loggers_exist-gated block (only the last rank has loggers; the peak is on stage 0).
+            memory_report = _memory_metrics(config.logger, ts.step, s.pg_collection.pp)
             report_memory_flag = training_log(
                 loss_dict,
                 total_loss_dict,
                 s.optimizer.param_groups[0]["lr"],
+                None,  # decoupled learning rate: not supported
                 s.optimizer.get_loss_scale().item(),
                 report_memory_flag,
                 skipped,
@@ -263,11 +164,15 @@ def train(forward_step_func, setup_output) -> None:
                 num_zeros,
                 config,
                 state,
-                s.pg_collection,
+                history_wct,
+                [s.model],
+                pg_collection=s.pg_collection,
+                loaded_iteration=loaded_iteration,
+                memory_report=memory_report,
             )
             if (
-                config.train.eval_interval
-                and ts.step % config.train.eval_interval == 0
+                config.validation.eval_interval
+                and ts.step % config.validation.eval_interval == 0
                 and s.valid_data_iterator
             ):
                 evaluate_and_print_results(
@@ -275,7 +180,7 @@ def train(forward_step_func, setup_output) -> None:
                 )
             if ckpt.save_interval and ts.step % ckpt.save_interval == 0:
                 save()
-            if config.train.exit_signal_handler and handler.signals_received():
+            if config.train.exit_signal_handler and any(state.signal_handler.signals_received()):
                 print_rank_last(f" exiting program after receiving SIGTERM at iteration {ts.step}")
                 save()
                 return

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_lite.core.datasets.blended_megatron_dataset_config import GPTDatasetConfig  # noqa: F401
+
 
 class MockGPTDataset(torch.utils.data.Dataset):
     """Sample ``i`` is an arithmetic token sequence ``(start + stride * t) mod vocab`` whose start and

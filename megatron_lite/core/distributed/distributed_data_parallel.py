@@ -70,8 +70,9 @@ class DistributedDataParallel(nn.Module):
         """Gradients only accumulate locally in this context (they never sync before finish_grad_sync)."""
         yield
 
-    def finish_grad_sync(self) -> None:
-        """Average the gradient buffers over the data-parallel group. Collective over ``dp_group``."""
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        """Average the gradient buffers over the data-parallel group. Collective over ``dp_group``.
+        Always an all-reduce (``force_all_reduce`` is accepted for upstream's signature)."""
         if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
             return
         scale = 1.0 / dist.get_world_size(self.dp_group)

@@ -1,25 +1,48 @@
-"""Gradient finalisation after the last microbatch of a step."""
+"""Gradient finalisation after the last microbatch of a step (Megatron core's finalize_model_grads)."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from megatron_lite.core.utils import unwrap_model
 
 
-def finalize_model_grads(model_chunks, pg_collection) -> None:
+def _embedding_group(pg_collection):
+    if pg_collection is not None:
+        assert hasattr(pg_collection, "embd"), "pg_collection must have embd (set it to None if unused)"
+        return pg_collection.embd
+    from megatron_lite.core import parallel_state
+
+    return parallel_state.get_embedding_group(check_initialized=False)
+
+
+def finalize_model_grads(
+    model: list[torch.nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection=None,
+    force_all_reduce: bool | None = False,
+) -> None:
     """Average gradients over data-parallel ranks, then sum the tied word-embedding gradient over the
     embedding group (first and last stage). Collective over the dp group and, on the first and last
-    stage, the embedding group."""
-    for chunk in model_chunks:
-        chunk.finish_grad_sync()
-    embd = pg_collection.embd
+    stage, the embedding group. Groups come from ``pg_collection``, else from parallel_state.
+
+    ``num_tokens`` (per-token loss scaling, ``calculate_per_token_loss``) is not supported."""
+    if num_tokens is not None:
+        raise NotImplementedError(
+            "calculate_per_token_loss (gradients scaled by num_tokens) is not supported"
+        )
+    # We always all-reduce (there is no reduce-scatter / distributed optimizer yet), so
+    # force_all_reduce asks for what happens anyway.
+    for chunk in model:
+        chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
+    embd = _embedding_group(pg_collection)
     if embd is None or dist.get_world_size(embd) == 1:
         return
-    for chunk in model_chunks:
-        model = unwrap_model(chunk)
-        if not model.share_embeddings_and_output_weights:
+    for chunk in model:
+        module = unwrap_model(chunk)
+        if not getattr(module, "share_embeddings_and_output_weights", False):
             continue
-        weight = model.shared_embedding_or_output_weight()
+        weight = module.shared_embedding_or_output_weight()
         if weight is not None:
             dist.all_reduce(weight.main_grad, group=embd)

@@ -1,9 +1,11 @@
 """Point-to-point communication between adjacent pipeline stages.
 
-Six named calls, as in Megatron core. Each does nothing (returns None) where the stage has no
-neighbour in that direction, so schedules never branch on the stage. Sends and receives of one call
-are posted together with ``batch_isend_irecv`` and waited on before returning, so a sent tensor may be
-freed as soon as the call returns.
+``P2PCommunicator(pp_group, config)`` has Megatron core's named calls. Each takes the stage flag
+(``is_first_stage`` / ``is_last_stage``) the schedule passes, as upstream does; where the stage has no
+neighbour in that direction the call does nothing and returns None, so schedules never branch on
+the stage. A call accepts one tensor/shape or a list of them (one exchange each). Sends and receives
+of one call are posted together with ``batch_isend_irecv`` and waited on before returning, so a sent
+tensor may be freed as soon as the call returns.
 """
 
 from __future__ import annotations
@@ -11,45 +13,90 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_lite.core.transformer.transformer_config import TransformerConfig
+from megatron_lite.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+
+
+def is_single_shape(x) -> bool:
+    """Whether ``x`` is one tensor shape (a torch.Size or a sequence of ints), not a list of shapes."""
+    if isinstance(x, torch.Size):
+        return True
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(d, int) for d in x)
+
+
+def _as_list(x) -> tuple[list, bool]:
+    """``x`` as a list, and whether it was a single item (so the result is unwrapped again)."""
+    return (x, False) if isinstance(x, list) else ([x], True)
 
 
 class P2PCommunicator:
     """Sends and receives activations (forward) and their gradients (backward) over ``pp_group``."""
 
-    def __init__(self, pp_group, config: TransformerConfig):
+    def __init__(self, pp_group, config):
         self.pp_group = pp_group
         self.config = config
         ranks = dist.get_process_group_ranks(pp_group)
-        stage = dist.get_rank(pp_group)
-        self.is_first_stage = stage == 0
-        self.is_last_stage = stage == len(ranks) - 1
-        self.prev_rank = None if self.is_first_stage else ranks[stage - 1]
-        self.next_rank = None if self.is_last_stage else ranks[stage + 1]
+        stage = ranks.index(dist.get_rank())
+        # As upstream, neighbours wrap around; the stage flags keep the ends from using them.
+        self.next_rank: int | None = ranks[(stage + 1) % len(ranks)]
+        self.prev_rank: int | None = ranks[(stage - 1) % len(ranks)]
+        self.virtual_pipeline_model_parallel_size = getattr(
+            config, "virtual_pipeline_model_parallel_size", None
+        )
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if dist.get_backend(pp_group) == "nccl"
             else torch.device("cpu")
         )
 
+    @property
+    def is_pp_first_stage(self) -> bool:
+        return is_pp_first_stage(self.pp_group)
+
+    @property
+    def is_pp_last_stage(self) -> bool:
+        return is_pp_last_stage(self.pp_group)
+
+    @property
+    def total_stages(self) -> int:
+        return dist.get_world_size(self.pp_group)
+
+    @property
+    def current_stage(self) -> int:
+        return dist.get_rank(self.pp_group)
+
     def _communicate(
-        self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False, tensor_shape=None
+        self,
+        *,
+        tensor_send_next=None,
+        tensor_send_prev=None,
+        recv_prev=False,
+        recv_next=False,
+        tensor_shape=None,
     ):
+        """One batched exchange with the neighbours; returns (from previous, from next)."""
+        if (recv_prev or recv_next) and getattr(self.config, "variable_seq_lengths", False):
+            raise NotImplementedError(
+                "variable_seq_lengths (shapes exchanged per microbatch) is not supported"
+            )
+        dtype = getattr(self.config, "pipeline_dtype", None)
+        if (recv_prev or recv_next) and (dtype is None or tensor_shape is None):
+            raise RuntimeError(
+                "receiving needs config.pipeline_dtype and a tensor_shape (seq, micro batch, hidden)"
+            )
+
         def empty():
             # Received activations are leaves of this stage's graph: they need grads for backward.
-            return torch.empty(
-                tensor_shape, dtype=self.config.pipeline_dtype, device=self.device, requires_grad=True
-            )
+            return torch.empty(tensor_shape, dtype=dtype, device=self.device, requires_grad=True)
 
         from_prev = empty() if recv_prev else None
         from_next = empty() if recv_next else None
         ops = []
-        if send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), self.prev_rank, self.pp_group))
+        if tensor_send_prev is not None:
+            ops.append(dist.P2POp(dist.isend, tensor_send_prev.contiguous(), self.prev_rank, self.pp_group))
         if from_prev is not None:
             ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.pp_group))
-        if send_next is not None:
-            ops.append(dist.P2POp(dist.isend, send_next.contiguous(), self.next_rank, self.pp_group))
+        if tensor_send_next is not None:
+            ops.append(dist.P2POp(dist.isend, tensor_send_next.contiguous(), self.next_rank, self.pp_group))
         if from_next is not None:
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.pp_group))
         if ops:
@@ -57,38 +104,66 @@ class P2PCommunicator:
                 request.wait()
         return from_prev, from_next
 
-    def recv_forward(self, tensor_shape):
+    def _first(self, is_first_stage):
+        return self.is_pp_first_stage if is_first_stage is None else is_first_stage
+
+    def _last(self, is_last_stage):
+        return self.is_pp_last_stage if is_last_stage is None else is_last_stage
+
+    def recv_forward(self, tensor_shapes, is_first_stage: bool | None = None):
         """Receive the previous stage's output (None on the first stage)."""
-        if self.is_first_stage:
-            return None
-        return self._communicate(recv_prev=True, tensor_shape=tensor_shape)[0]
+        if is_single_shape(tensor_shapes):
+            return self.recv_forward([tensor_shapes], is_first_stage)[0]
+        if self._first(is_first_stage):
+            return [None for _ in tensor_shapes]
+        return [self._communicate(recv_prev=True, tensor_shape=s)[0] for s in tensor_shapes]
 
-    def send_forward(self, output_tensor) -> None:
-        """Send this stage's output to the next stage (nothing on the last stage)."""
-        if not self.is_last_stage:
-            self._communicate(send_next=output_tensor.detach())
-
-    def recv_backward(self, tensor_shape):
+    def recv_backward(self, tensor_shapes, is_last_stage: bool | None = None):
         """Receive the gradient of this stage's output (None on the last stage)."""
-        if self.is_last_stage:
-            return None
-        return self._communicate(recv_next=True, tensor_shape=tensor_shape)[1]
+        if is_single_shape(tensor_shapes):
+            return self.recv_backward([tensor_shapes], is_last_stage)[0]
+        if self._last(is_last_stage):
+            return [None for _ in tensor_shapes]
+        return [self._communicate(recv_next=True, tensor_shape=s)[1] for s in tensor_shapes]
 
-    def send_backward(self, input_tensor_grad) -> None:
+    def send_forward(self, output_tensors, is_last_stage: bool | None = None) -> None:
+        """Send this stage's output to the next stage (nothing on the last stage)."""
+        if self._last(is_last_stage):
+            return
+        for tensor in _as_list(output_tensors)[0]:
+            self._communicate(tensor_send_next=tensor.detach())
+
+    def send_backward(self, input_tensor_grads, is_first_stage: bool | None = None) -> None:
         """Send the gradient of this stage's input to the previous stage (nothing on the first stage)."""
-        if not self.is_first_stage:
-            self._communicate(send_prev=input_tensor_grad)
+        if self._first(is_first_stage):
+            return
+        for grad in _as_list(input_tensor_grads)[0]:
+            self._communicate(tensor_send_prev=grad)
 
-    def send_forward_recv_backward(self, output_tensor, tensor_shape):
-        """Send the output forward and receive its gradient, as one batched exchange."""
-        if self.is_last_stage:
-            return None
-        return self._communicate(send_next=output_tensor.detach(), recv_next=True, tensor_shape=tensor_shape)[
-            1
-        ]
+    def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage: bool | None = None):
+        """Send the output forward and receive its gradient, as one batched exchange per tensor."""
+        tensors, single = _as_list(output_tensors)
+        shapes = [tensor_shapes] if is_single_shape(tensor_shapes) else tensor_shapes
+        if self._last(is_last_stage):
+            grads = [None for _ in shapes]
+        else:
+            grads = [
+                self._communicate(tensor_send_next=t.detach(), recv_next=True, tensor_shape=s)[1]
+                for t, s in zip(tensors, shapes)
+            ]
+        return grads[0] if single else grads
 
-    def send_backward_recv_forward(self, input_tensor_grad, tensor_shape):
-        """Send the input gradient back and receive the next input, as one batched exchange."""
-        if self.is_first_stage:
-            return None
-        return self._communicate(send_prev=input_tensor_grad, recv_prev=True, tensor_shape=tensor_shape)[0]
+    def send_backward_recv_forward(
+        self, input_tensor_grads, tensor_shapes, is_first_stage: bool | None = None
+    ):
+        """Send the input gradient back and receive the next input, as one batched exchange per tensor."""
+        grads, single = _as_list(input_tensor_grads)
+        shapes = [tensor_shapes] if is_single_shape(tensor_shapes) else tensor_shapes
+        if self._first(is_first_stage):
+            inputs = [None for _ in shapes]
+        else:
+            inputs = [
+                self._communicate(tensor_send_prev=g, recv_prev=True, tensor_shape=s)[0]
+                for g, s in zip(grads, shapes)
+            ]
+        return inputs[0] if single else inputs

@@ -5,15 +5,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core import parallel_state
+from megatron_lite.core.parallel_state import get_tensor_model_parallel_group
 from megatron_lite.core.tensor_parallel.utils import VocabUtility
+from megatron_lite.core.utils import get_pg_rank, get_pg_size
 
 
 def _tp(group) -> tuple[int, int]:
-    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    return get_pg_rank(group), get_pg_size(group)
 
 
 def _all_reduce(x: torch.Tensor, op, group) -> None:
-    if _tp(group)[1] > 1:
+    # Called on any group, even of size 1 (upstream does so too); only "no group" skips it.
+    if group is not None:
         dist.all_reduce(x, op=op, group=group)
 
 
@@ -56,6 +60,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group=None):
-    """Per-token loss, in fp32. Collective over ``tp_group``."""
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0, tp_group=None
+):
+    """Per-token loss, in fp32, for logits whose last dimension is this rank's vocabulary slice.
+    Collective over ``tp_group`` (None: parallel_state's tensor-parallel group once initialised, else
+    no tensor parallelism)."""
+    if label_smoothing:
+        raise NotImplementedError("label_smoothing is not supported yet by megatron_lite")
+    if tp_group is None and parallel_state.is_initialized():
+        tp_group = get_tensor_model_parallel_group()
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group)

@@ -1,4 +1,11 @@
-"""Linear and embedding layers whose weights are split across tensor-parallel ranks."""
+"""Linear and embedding layers whose weights are split across tensor-parallel ranks, with
+megatron.core.tensor_parallel.layers' constructors.
+
+A ``tp_group`` of None means parallel_state's tensor-parallel group once it is initialised, and no
+tensor parallelism before. Every rank draws the full master weight and keeps its slice (upstream's
+"CPU initialisation", whatever ``use_cpu_initialization`` says), so a model starts identical under any
+layout; ``use_cpu_initialization`` only chooses where the parameters are allocated.
+"""
 
 from __future__ import annotations
 
@@ -7,106 +14,312 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.core.model_parallel_config import ModelParallelConfig
 from megatron_lite.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from megatron_lite.core.tensor_parallel.utils import (
     VocabUtility,
+    copy_gtp_attributes,
+    copy_tensor_model_parallel_attributes,
     divide,
     init_partition_,
+    param_is_not_tensor_parallel_duplicate,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
-from megatron_lite.core.transformer.transformer_config import TransformerConfig
+from megatron_lite.core.utils import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "copy_gtp_attributes",
+    "copy_tensor_model_parallel_attributes",
+    "linear_with_frozen_weight",
+    "linear_with_grad_accumulation_and_async_allreduce",
+    "param_is_not_tensor_parallel_duplicate",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "set_tensor_model_parallel_attributes",
+]
 
 
-def _tp(group) -> tuple[int, int]:
-    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+def _device(config: ModelParallelConfig) -> torch.device:
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _refuse_unsupported(config: ModelParallelConfig, layer: str, is_expert: bool = False, **options) -> None:
+    if is_expert:
+        raise NotImplementedError(
+            f"{layer}(is_expert=True): expert layers are not supported by megatron_lite"
+        )
+    if config.gradient_accumulation_fusion:
+        raise NotImplementedError("gradient_accumulation_fusion is not supported by megatron_lite")
+    for name, bad in options.items():
+        if bad:
+            raise NotImplementedError(f"{layer}({name}=...) is not supported by megatron_lite")
+
+
+def _new_parameter(shape, config: ModelParallelConfig, init_method, partition_dim, rank, world, stride=1):
+    """A tensor-parallel parameter of this rank's ``shape``, initialised from the full master weight
+    (or left empty when ``config.perform_initialization`` is off)."""
+    weight = nn.Parameter(torch.empty(*shape, dtype=config.params_dtype, device=_device(config)))
+    if config.perform_initialization:
+        init_partition_(weight, init_method, partition_dim, rank, world, stride)
+    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    weight.allreduce = True  # reduced over the dense data-parallel group (not the expert one)
+    return weight
+
+
+class LinearWithFrozenWeight(torch.autograd.Function):
+    """``input @ weight.T + bias`` for a weight without gradient: backward computes the input
+    gradient only, all-reduced over ``tp_group`` when ``allreduce_dgrad``."""
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(weight)
+        ctx.allreduce_dgrad, ctx.tp_group = allreduce_dgrad, tp_group
+        return F.linear(input_, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (weight,) = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight.to(grad_output.dtype))
+        if ctx.allreduce_dgrad and get_pg_size(ctx.tp_group) > 1:
+            dist.all_reduce(grad_input, group=ctx.tp_group)
+        return grad_input, None, None, None, None
+
+
+def linear_with_frozen_weight(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    tp_group=None,
+    grad_output_buffer=None,
+    wgrad_deferral_limit=None,
+    gtp_remat_size: int = 1,
+    output_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Linear layer whose weight is frozen (no weight gradient, no weight activations kept).
+    Collective over ``tp_group`` in backward when ``allreduce_dgrad``, and in forward under
+    ``sequence_parallel`` (the input is gathered along the sequence)."""
+    assert grad_output_buffer is None, (
+        "grad_output_buffer needs linear_with_grad_accumulation_and_async_allreduce"
+    )
+    assert wgrad_deferral_limit is None, (
+        "wgrad_deferral_limit needs linear_with_grad_accumulation_and_async_allreduce"
+    )
+    if gtp_remat_size != 1 or (output_dtype is not None and output_dtype != input.dtype):
+        raise NotImplementedError(
+            "GTP remat and mixed-precision linear outputs are not supported by megatron_lite"
+        )
+    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad, tp_group)
+
+
+def linear_with_grad_accumulation_and_async_allreduce(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    grad_output_buffer=None,
+    wgrad_deferral_limit: int | None = 0,
+    tp_group=None,
+    gtp_remat_size: int = 1,
+    output_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Trainable linear layer with upstream's signature, without the fused/overlapped kernels: the
+    input-gradient all-reduce (``allreduce_dgrad``) runs after the GEMM, not overlapped with it.
+    Collective over ``tp_group`` as ``linear_with_frozen_weight``."""
+    if gradient_accumulation_fusion or grad_output_buffer is not None:
+        raise NotImplementedError(
+            "gradient accumulation fusion / deferred wgrad are not supported by megatron_lite"
+        )
+    if gtp_remat_size != 1 or (output_dtype is not None and output_dtype != input.dtype):
+        raise NotImplementedError(
+            "GTP remat and mixed-precision linear outputs are not supported by megatron_lite"
+        )
+    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    elif allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    return F.linear(input, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = XA + b with A split by columns: rank r holds A[:, r]. Returns ``(output, output_bias)``."""
+    """Y = XA + b with A split by columns: rank r holds A[:, r]. Returns ``(output, output_bias)``:
+    the bias is added unless ``skip_bias_add``, in which case it is returned for the caller to fuse.
+    Collective over ``tp_group`` (the input gradient is all-reduced; ``gather_output`` gathers Y)."""
 
     def __init__(
         self,
         input_size: int,
         output_size: int,
         *,
-        config: TransformerConfig,
+        config: ModelParallelConfig,
         init_method,
         bias: bool = True,
         gather_output: bool = False,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
         skip_bias_add: bool = False,
         skip_weight_param_allocation: bool = False,
+        embedding_activation_buffer: list | None = None,
+        grad_output_buffer: list | None = None,
+        is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        disable_grad_reduce: bool = False,
         tp_group=None,
+        name: str | None = None,
+        output_dtype: torch.dtype | None = None,
+        pg_collection=None,
     ):
         super().__init__()
-        self.tp_group = tp_group
-        rank, world = _tp(tp_group)
-        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        _refuse_unsupported(
+            config,
+            "ColumnParallelLinear",
+            is_expert,
+            keep_master_weight_for_test=keep_master_weight_for_test,
+            output_dtype=output_dtype is not None and output_dtype != config.params_dtype,
+        )
+        self.input_size, self.output_size, self.config, self.name = input_size, output_size, config, name
+        self.gather_output, self.skip_bias_add, self.is_expert = gather_output, skip_bias_add, is_expert
+        self.disable_grad_reduce, self.sequence_parallel = disable_grad_reduce, config.sequence_parallel
+        self.embedding_activation_buffer, self.grad_output_buffer = (
+            embedding_activation_buffer,
+            grad_output_buffer,
+        )
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.tp
+        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        rank, world = get_pg_rank(self.tp_group), get_pg_size(self.tp_group)
         self.output_size_per_partition = divide(output_size, world)
-        dtype = config.params_dtype
         if skip_weight_param_allocation:
             self.weight = None
         else:
-            self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=dtype))
-            init_partition_(self.weight, init_method, 0, rank, world)
-            set_tensor_model_parallel_attributes(self.weight, True, 0)
+            shape = (self.output_size_per_partition, input_size)
+            self.weight = _new_parameter(shape, config, init_method, 0, rank, world, stride)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=dtype))
-            set_tensor_model_parallel_attributes(self.bias, True, 0)
+            self.bias = nn.Parameter(
+                torch.zeros(self.output_size_per_partition, dtype=config.params_dtype, device=_device(config))
+            )
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            self.bias.allreduce = True
         else:
-            self.bias = None
+            self.register_parameter("bias", None)
 
-    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None):
-        weight = self.weight if weight is None else weight
-        input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError(
+                    "ColumnParallelLinear built with skip_weight_param_allocation needs a weight"
+                )
+            weight = self.weight
+        elif weight.shape != (self.output_size_per_partition, self.input_size):
+            raise RuntimeError(
+                f"supplied weight's shape is {tuple(weight.shape)}, "
+                f"not {(self.output_size_per_partition, self.input_size)} as expected"
+            )
+        if self.sequence_parallel:
+            input_parallel = gather_from_sequence_parallel_region(input_, group=self.tp_group)
+        elif self.disable_grad_reduce:
+            input_parallel = input_
+        else:
+            input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        output = F.linear(input_parallel, weight, bias)
-        if self.gather_output:
+        if weight.requires_grad:
+            output = F.linear(input_parallel, weight, bias)
+        else:
+            output = LinearWithFrozenWeight.apply(input_parallel, weight, bias, False, self.tp_group)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
 
 
 class RowParallelLinear(nn.Module):
-    """Y = XA + b with A split by rows: rank r holds A[r]; partial outputs are all-reduced."""
+    """Y = XA + b with A split by rows: rank r holds A[r]; partial outputs are all-reduced over
+    ``tp_group`` (collective) and the whole, duplicated bias is added after. Returns
+    ``(output, output_bias)`` as ColumnParallelLinear."""
 
     def __init__(
         self,
         input_size: int,
         output_size: int,
         *,
-        config: TransformerConfig,
+        config: ModelParallelConfig,
         init_method,
-        bias: bool = True,
-        input_is_parallel: bool = True,
-        skip_bias_add: bool = False,
+        bias: bool,
+        input_is_parallel: bool,
+        skip_bias_add: bool,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
         tp_group=None,
+        name: str | None = None,
+        pg_collection=None,
     ):
         super().__init__()
-        self.tp_group = tp_group
-        rank, world = _tp(tp_group)
-        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
-        dtype = config.params_dtype
-        self.weight = nn.Parameter(torch.empty(output_size, divide(input_size, world), dtype=dtype))
-        init_partition_(self.weight, init_method, 1, rank, world)
-        set_tensor_model_parallel_attributes(self.weight, True, 1)
-        # The bias is added after the reduction, so every rank holds the whole (duplicated) bias.
-        self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype)) if bias else None
+        _refuse_unsupported(
+            config, "RowParallelLinear", is_expert, keep_master_weight_for_test=keep_master_weight_for_test
+        )
+        if config.sequence_parallel and not input_is_parallel:
+            raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
+        self.input_size, self.output_size, self.config, self.name = input_size, output_size, config, name
+        self.input_is_parallel, self.skip_bias_add, self.is_expert = (
+            input_is_parallel,
+            skip_bias_add,
+            is_expert,
+        )
+        self.sequence_parallel = config.sequence_parallel
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.tp
+        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        rank, world = get_pg_rank(self.tp_group), get_pg_size(self.tp_group)
+        self.input_size_per_partition = divide(input_size, world)
+        shape = (output_size, self.input_size_per_partition)
+        self.weight = _new_parameter(shape, config, init_method, 1, rank, world, stride)
+        if bias:
+            self.bias = nn.Parameter(
+                torch.zeros(output_size, dtype=config.params_dtype, device=_device(config))
+            )
+            self.bias.allreduce = True
+            self.bias.sequence_parallel = config.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor):
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        output = reduce_from_tensor_model_parallel_region(F.linear(input_, self.weight), self.tp_group)
+        partial = F.linear(input_, self.weight)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
         if self.skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split along the vocabulary; each rank looks up only the ids it owns."""
+    """Embedding table split along the vocabulary; each rank looks up only the ids it owns and the
+    partial embeddings are all-reduced over ``tp_group`` (collective)."""
 
     def __init__(
         self,
@@ -114,24 +327,37 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         init_method,
-        config: TransformerConfig,
+        reduce_scatter_embeddings: bool = False,
+        config: ModelParallelConfig,
         tp_group=None,
+        pg_collection=None,
     ):
         super().__init__()
-        self.tp_group = tp_group
-        rank, world = _tp(tp_group)
+        self.num_embeddings, self.embedding_dim, self.config = num_embeddings, embedding_dim, config
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.tp
+        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        rank, world = get_pg_rank(self.tp_group), get_pg_size(self.tp_group)
         self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
             num_embeddings, rank, world
         )
-        per_partition = self.vocab_end_index - self.vocab_start_index
-        self.weight = nn.Parameter(torch.empty(per_partition, embedding_dim, dtype=config.params_dtype))
-        init_partition_(self.weight, init_method, 0, rank, world)
-        set_tensor_model_parallel_attributes(self.weight, True, 0)
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        shape = (self.num_embeddings_per_partition, embedding_dim)
+        self.weight = _new_parameter(shape, config, init_method, 0, rank, world)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if _tp(self.tp_group)[1] == 1:
-            return F.embedding(input_ids, self.weight)
-        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
-        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
-        output = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if get_pg_size(self.tp_group) == 1:
+            output = F.embedding(input_, self.weight)
+        else:
+            outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
+            output = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            # [b, s, h] -> [s, b, h], then each rank keeps its share of the sequence.
+            return reduce_scatter_to_sequence_parallel_region(
+                output.transpose(0, 1).contiguous(), self.tp_group
+            )
+        if get_pg_size(self.tp_group) == 1:
+            return output
         return reduce_from_tensor_model_parallel_region(output, self.tp_group)

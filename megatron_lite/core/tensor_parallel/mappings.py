@@ -1,7 +1,10 @@
-"""Autograd-aware communication between the tensor-parallel ranks.
+"""Autograd-aware communication between the tensor-parallel ranks, as megatron.core.tensor_parallel.mappings.
 
 Each mapping is collective over ``group`` in forward or backward (or both), so every rank of the
-tensor-parallel group must call it. With a group of size 1 each is the identity.
+tensor-parallel group must call it. A group of None (no tensor parallelism) or of size 1 makes each
+the identity. The public wrappers take ``group=None`` to mean parallel_state's tensor-parallel group
+once it is initialised. The "tensor model parallel" mappings split or gather the last dimension
+(hidden); the "sequence parallel" ones the first (sequence).
 """
 
 from __future__ import annotations
@@ -9,97 +12,269 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+from megatron_lite.core.utils import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if _size(group) == 1:
+def _reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if get_pg_size(group) == 1:
         return x
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
 
 
-def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    size = _size(group)
+def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    size = get_pg_size(group)
     if size == 1:
         return x
-    return x.chunk(size, dim=-1)[dist.get_rank(group)].contiguous()
+    if x.size(dim) % size:
+        raise ValueError(f"dimension {dim} of size {x.size(dim)} does not split into {size} parts")
+    return x.chunk(size, dim=dim)[get_pg_rank(group)].contiguous()
 
 
-def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    size = _size(group)
+def _gather(x: torch.Tensor, group, dim: int, split_sizes: list[int] | None = None) -> torch.Tensor:
+    size = get_pg_size(group)
     if size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    x = x.contiguous()
+    if split_sizes is None:
+        parts = [torch.empty_like(x) for _ in range(size)]
+    else:
+        shape = list(x.shape)
+        parts = []
+        for n in split_sizes:
+            shape[dim] = n
+            parts.append(x.new_empty(shape))
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group, dim: int, split_sizes: list[int] | None = None) -> torch.Tensor:
+    size = get_pg_size(group)
+    if size == 1:
+        return x
+    # An all-reduce then this rank's slice: the same sums as reduce-scatter, and gloo (CPU) has no
+    # reduce_scatter. NCCL takes the direct path.
+    if split_sizes is None and str(dist.get_backend(group)).lower() == "nccl" and dim == 0:
+        out = x.new_empty((x.size(0) // size, *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        return out
+    total = _reduce(x.clone(), group)
+    if split_sizes is None:
+        return total.chunk(size, dim=dim)[get_pg_rank(group)].contiguous()
+    return torch.split(total, split_sizes, dim=dim)[get_pg_rank(group)].contiguous()
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
     """Identity forward; all-reduce the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+    def symbolic(graph, input_, group):
+        return input_
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group), None
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce(grad_output.clone(), ctx.group), None
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
     """All-reduce forward; identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+    def symbolic(graph, input_, group):
+        return _reduce(input_.clone(), group)
 
     @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    def forward(ctx, input_, group):
+        return _reduce(input_.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
 
 
 class _ScatterToModelParallelRegion(torch.autograd.Function):
     """Keep this rank's slice of the last dimension; gather the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
+    def symbolic(graph, input_, group):
+        return _split(input_, group, -1)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split(input_, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather(grad_output, ctx.group, -1), None
 
 
 class _GatherFromModelParallelRegion(torch.autograd.Function):
     """Gather the last dimension from all ranks; keep this rank's slice of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
+    def symbolic(graph, input_, group):
+        return _gather(input_, group, -1)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _gather(input_, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _split(grad_output, ctx.group, -1), None
 
 
-def copy_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    return _CopyToModelParallelRegion.apply(x, group)
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Keep this rank's slice of the first dimension; gather the gradient backward."""
+
+    @staticmethod
+    def symbolic(graph, input_, group):
+        return _split(input_, group, 0)
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split(input_, group, 0)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather(grad_output, ctx.group, 0), None
 
 
-def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    return _ReduceFromModelParallelRegion.apply(x, group)
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Gather the first dimension. Backward: reduce-scatter the gradient when the computation after
+    the gather is itself tensor-parallel (``tensor_parallel_output_grad``), else just split it."""
+
+    @staticmethod
+    def symbolic(
+        graph,
+        input_,
+        group,
+        tensor_parallel_output_grad=True,
+        output_split_sizes=None,
+        use_global_buffer=False,
+    ):
+        return _gather(input_, group, 0, output_split_sizes)
+
+    @staticmethod
+    def forward(
+        ctx, input_, group, tensor_parallel_output_grad=True, output_split_sizes=None, use_global_buffer=False
+    ):
+        ctx.group = group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        ctx.output_split_sizes = output_split_sizes
+        ctx.use_global_buffer = use_global_buffer
+        return _gather(input_, group, 0, output_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.tensor_parallel_output_grad:
+            grad = _reduce_scatter(grad_output, ctx.group, 0, ctx.output_split_sizes)
+        else:
+            assert ctx.output_split_sizes is None, "uneven splits need tensor_parallel_output_grad"
+            grad = _split(grad_output, ctx.group, 0)
+        return grad, None, None, None, None
 
 
-def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    return _ScatterToModelParallelRegion.apply(x, group)
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Reduce-scatter the first dimension; gather the gradient backward."""
+
+    @staticmethod
+    def symbolic(graph, input_, group, input_split_sizes=None, use_global_buffer=False):
+        return _reduce_scatter(input_, group, 0, input_split_sizes)
+
+    @staticmethod
+    def forward(ctx, input_, group, input_split_sizes=None, use_global_buffer=False):
+        ctx.group = group
+        ctx.input_split_sizes = input_split_sizes
+        ctx.use_global_buffer = use_global_buffer
+        return _reduce_scatter(input_, group, 0, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather(grad_output, ctx.group, 0, ctx.input_split_sizes), None, None, None
 
 
-def gather_from_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    return _GatherFromModelParallelRegion.apply(x, group)
+class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
+    """Gather the last dimension; reduce-scatter the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _gather(input_, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce_scatter(grad_output, ctx.group, -1), None
+
+
+class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
+    """Reduce-scatter the last dimension; gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _reduce_scatter(input_, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather(grad_output, ctx.group, -1), None
+
+
+def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+    return _CopyToModelParallelRegion.apply(input_, get_tensor_model_parallel_group_if_none(group))
+
+
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+    return _ReduceFromModelParallelRegion.apply(input_, get_tensor_model_parallel_group_if_none(group))
+
+
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+    return _ScatterToModelParallelRegion.apply(input_, get_tensor_model_parallel_group_if_none(group))
+
+
+def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+    return _GatherFromModelParallelRegion.apply(input_, get_tensor_model_parallel_group_if_none(group))
+
+
+def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+    return _ScatterToSequenceParallelRegion.apply(input_, get_tensor_model_parallel_group_if_none(group))
+
+
+def gather_from_sequence_parallel_region(
+    input_: torch.Tensor,
+    tensor_parallel_output_grad: bool = True,
+    group=None,
+    output_split_sizes: list[int] | None = None,
+    use_global_buffer: bool = False,
+) -> torch.Tensor:
+    group = get_tensor_model_parallel_group_if_none(group)
+    return _GatherFromSequenceParallelRegion.apply(
+        input_, group, tensor_parallel_output_grad, output_split_sizes, use_global_buffer
+    )
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    input_: torch.Tensor,
+    group=None,
+    input_split_sizes: list[int] | None = None,
+    use_global_buffer: bool = False,
+) -> torch.Tensor:
+    group = get_tensor_model_parallel_group_if_none(group)
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, group, input_split_sizes, use_global_buffer)
+
+
+def all_gather_last_dim_from_tensor_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+    return _AllGatherFromTensorParallelRegion.apply(input_, get_tensor_model_parallel_group_if_none(group))
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
+    return _ReduceScatterToTensorParallelRegion.apply(input_, get_tensor_model_parallel_group_if_none(group))

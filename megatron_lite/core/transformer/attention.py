@@ -45,6 +45,7 @@ class SelfAttention(nn.Module):
             init_method=output_layer_init_method,
             bias=config.add_bias_linear,
             input_is_parallel=True,
+            skip_bias_add=False,
             tp_group=tp_group,
         )
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 from megatron_lite.core.transformer.transformer_layer import TransformerLayer
-from megatron_lite.core.utils import init_method_normal, scaled_init_method_normal, seeded_init
+from megatron_lite.core.utils import seeded_init
 
 
 def get_num_layers_to_build(config: TransformerConfig, pp_rank: int) -> tuple[int, int]:
@@ -29,8 +29,7 @@ class TransformerBlock(nn.Module):
     ):
         super().__init__()
         num_layers, offset = get_num_layers_to_build(config, pp_rank)
-        init = init_method_normal(config.init_method_std)
-        scaled = scaled_init_method_normal(config.init_method_std, config.num_layers)
+        init, scaled = config.init_method, config.output_layer_init_method
         layers = []
         for i in range(offset, offset + num_layers):
             with seeded_init(seed, f"layer {i}"):

@@ -2,14 +2,42 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
+from megatron_lite.core.model_parallel_config import ModelParallelConfig
+from megatron_lite.core.utils import init_method_normal, scaled_init_method_normal
+
+
+class _DefaultInit:
+    """An initialiser field that, left unset (None), is normal(0, init_method_std), scaled by
+    1 / sqrt(2 num_layers) for output projections: derived when read, so it follows later changes
+    of ``init_method_std`` / ``num_layers`` (the CLI sets them after construction)."""
+
+    def __init__(self, scaled: bool):
+        self.scaled = scaled
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = f"_{name}_explicit"
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return None  # the dataclass default
+        explicit = obj.__dict__.get(self.slot)
+        if explicit is not None:
+            return explicit
+        if self.scaled:
+            return scaled_init_method_normal(obj.init_method_std, obj.num_layers)
+        return init_method_normal(obj.init_method_std)
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
 
 
 @dataclass(kw_only=True)
-class TransformerConfig:
-    """Dimensions, parallel sizes and numerics shared by every transformer module."""
+class TransformerConfig(ModelParallelConfig):
+    """Dimensions and numerics shared by every transformer module; the parallel layout and precision
+    fields come from ModelParallelConfig, as upstream."""
 
     num_layers: int = 8
     """Number of transformer layers across all pipeline stages."""
@@ -31,33 +59,13 @@ class TransformerConfig:
     """Dropout on attention probabilities (per-TP-rank RNG stream)."""
     add_bias_linear: bool = True
     """Biases on linear layers."""
-    tensor_model_parallel_size: int = 1
-    """Tensor-parallel size."""
-    pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel size."""
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Interleaved pipeline chunks per stage (not supported yet)."""
-    context_parallel_size: int = 1
-    """Context-parallel size."""
-    sequence_parallel: bool = False
-    """Sequence parallelism (not supported yet)."""
-    bf16: bool = False
-    """bf16 compute with fp32 master weights."""
-    fp16: bool = False
-    """fp16 compute (not supported yet)."""
+    init_method: Callable | None = _DefaultInit(scaled=False)
+    """Initialiser of the weights feeding no residual; None means normal(0, init_method_std)."""
+    output_layer_init_method: Callable | None = _DefaultInit(scaled=True)
+    """Initialiser of the output projections; None means normal(0, init_method_std / sqrt(2 num_layers))."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.kv_channels is None and self.num_attention_heads > 0:
             self.kv_channels = self.hidden_size // self.num_attention_heads
-
-    @property
-    def params_dtype(self) -> torch.dtype:
-        """dtype of the model's parameters and activations."""
-        return torch.bfloat16 if self.bf16 else torch.float32
-
-    @property
-    def pipeline_dtype(self) -> torch.dtype:
-        """dtype of tensors sent between pipeline stages."""
-        return self.params_dtype

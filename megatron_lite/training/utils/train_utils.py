@@ -1,172 +1,90 @@
-"""Memory reports and their reduction across the pipeline (so the writer rank logs the true peak),
-plus the loop's small collective helpers."""
+"""Upstream's training-loop helpers: training_log, the throughput/runtime/grad-norm reports and
+parameter norms; the memory reports and forward-step state injection are re-exported from their
+own modules (memory_utils, forward_step_func_types), where upstream keeps them here.
+
+Module-level names (``get_num_microbatches``, ``print_rank_last``, ``report_memory``, ...) are looked
+up at call time, as upstream's, so code and tests written against upstream can patch them here.
+"""
 
 from __future__ import annotations
 
-import resource
-import sys
+import time
 
 import torch
 import torch.distributed
-import torch.distributed as dist
 
+from megatron_lite.core.num_microbatches_calculator import get_num_microbatches
 from megatron_lite.core.utils import get_collective_device
+from megatron_lite.training.forward_step_func_types import (
+    maybe_inject_state,
+    needs_global_state_injection,
+    prepare_forward_step_func,
+)
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
+from megatron_lite.training.utils.interval_log import (
+    ADVANCED,
+    SKIPPED,
+    accumulate_losses,
+    iteration_line,
+    timer_names,
+)
+from megatron_lite.training.utils.memory_utils import (
+    ACTIVATION_MEMORY_KEYS,
+    CUDA_EXTRA_MEMORY_KEYS,
+    HOST_MEMORY_KEYS,
+    MEMORY_KEYS,
+    default_memory_keys,
+    device_memory_capacity_gigabytes,
+    format_memory_line,
+    gather_memory_across_pp_group,
+    reduce_max_memory_across_pp_group,
+    report_memory,
+    report_theoretical_memory,
+)
+from megatron_lite.training.utils.metrics_writer import MetricsWriter
+from megatron_lite.utils.common_utils import get_rank_safe, get_world_size_safe
 
-# torch.cuda.memory_stats() key -> logged name.
-MEMORY_KEYS: dict[str, str] = {
-    "allocated_bytes.all.current": "mem-allocated-bytes",
-    "allocated_bytes.all.peak": "mem-max-allocated-bytes",
-    "active_bytes.all.current": "mem-active-bytes",
-    "active_bytes.all.peak": "mem-max-active-bytes",
-    "inactive_split_bytes.all.current": "mem-inactive-split-bytes",
-    "inactive_split_bytes.all.peak": "mem-max-inactive-split-bytes",
-    "reserved_bytes.all.current": "mem-reserved-bytes",
-    "reserved_bytes.all.peak": "mem-max-reserved-bytes",
-    "num_alloc_retries": "mem-alloc-retries",
-    "num_ooms": "mem-ooms",
-    "allocation.all.current": "mem-allocation-count",
-}
-
-# Host (no CUDA) statistics, same conventions: the process's resident memory from the OS.
-HOST_MEMORY_KEYS: dict[str, str] = {
-    "rss_bytes.current": "mem-rss-bytes",
-    "rss_bytes.peak": "mem-max-rss-bytes",
-}
-
-# Saved-for-backward tensors, measured on CPU and CUDA alike.
-ACTIVATION_MEMORY_KEYS: dict[str, str] = {
-    "activation_bytes.current": "mem-activation-bytes",
-    "activation_bytes.peak": "mem-max-activation-bytes",
-}
-
-
-def _host_memory_stats() -> dict[str, int]:
-    """Current and peak resident set size in bytes (peak since the process started)."""
-    try:
-        with open("/proc/self/status") as status:
-            fields = dict(line.split(":", 1) for line in status if ":" in line)
-        return {
-            "rss_bytes.current": int(fields["VmRSS"].split()[0]) * 1024,
-            "rss_bytes.peak": int(fields["VmHWM"].split()[0]) * 1024,
-        }
-    except (OSError, KeyError, ValueError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
-        return {"rss_bytes.current": peak, "rss_bytes.peak": peak}
-
-
-def _activation_memory_stats() -> dict[str, int]:
-    return {
-        "activation_bytes.current": ACTIVATION_MEMORY.current_bytes,
-        "activation_bytes.peak": ACTIVATION_MEMORY.peak_bytes,
-    }
-
-
-def report_memory(memory_keys: dict[str, str] | None = None) -> dict:
-    """This process's memory statistics, keyed by logged name.
-
-    On CUDA: ``torch.cuda.memory_stats()`` through ``memory_keys`` (default MEMORY_KEYS). Without
-    CUDA: the process's current and peak resident memory from the operating system (``mem-rss-*``).
-    Always: current and peak bytes of activations saved for backward (``mem-*activation*``), measured
-    by the ActivationMemoryTracker. Peaks are since the start of the run. Byte counts become
-    gigabytes (1e9) rounded to 5 significant digits, with "bytes" in the name replaced by
-    "gigabytes"; counters stay int.
-    """
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        stats, defaults = torch.cuda.memory_stats(), MEMORY_KEYS
-    else:
-        stats, defaults = _host_memory_stats(), HOST_MEMORY_KEYS
-    stats.update(_activation_memory_stats())
-    keys = memory_keys if memory_keys is not None else {**defaults, **ACTIVATION_MEMORY_KEYS}
-    report: dict = {}
-    for stat_key, name in keys.items():
-        if stat_key not in stats:
-            continue
-        value = stats[stat_key]
-        if "bytes" in name:
-            report[name.replace("bytes", "gigabytes")] = float(f"{value / 1e9:.5g}")
-        else:
-            report[name] = int(value)
-    return report
+__all__ = [
+    # Upstream's train_utils names.
+    "MEMORY_KEYS",
+    "calc_params_l2_norm",
+    "logical_and_across_model_parallel_group",
+    "maybe_inject_state",
+    "needs_global_state_injection",
+    "param_is_not_shared",
+    "prepare_forward_step_func",
+    "reduce_max_memory_across_pp_group",
+    "reduce_max_stat_across_model_parallel_group",
+    "report_l2_norm_grad",
+    "report_memory",
+    "report_runtime",
+    "report_throughput",
+    "training_log",
+    # Ours, beside them: extra memory keys and the loop's helpers.
+    "ACTIVATION_MEMORY",
+    "ACTIVATION_MEMORY_KEYS",
+    "CUDA_EXTRA_MEMORY_KEYS",
+    "HOST_MEMORY_KEYS",
+    "default_memory_keys",
+    "device_memory_capacity_gigabytes",
+    "format_memory_line",
+    "gather_memory_across_pp_group",
+    "mean_over_dp",
+    "print_rank_0",
+    "print_rank_last",
+    "report_theoretical_memory",
+]
 
 
-def device_memory_capacity_gigabytes() -> float | None:
-    """This rank's accelerator memory in GB (1e9), or None without CUDA: host memory is shared by all
-    ranks on a machine, so it is no per-rank capacity."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        return float(f"{total / 1e9:.5g}")
-    return None
-
-
-def _pack(memory_report: dict, device: torch.device) -> torch.Tensor:
-    return torch.tensor([float(v) for v in memory_report.values()], dtype=torch.float64, device=device)
-
-
-def _unpack(memory_report: dict, values) -> dict:
-    """Values in the report's key order; ints (not bools) come back as ints."""
-    out = {}
-    for (key, original), value in zip(memory_report.items(), values):
-        out[key] = (
-            int(value) if isinstance(original, int) and not isinstance(original, bool) else float(value)
-        )
-    return out
-
-
-def _group_size(group) -> int:
-    size = getattr(group, "size", None)
-    return size() if callable(size) else 0
-
-
-def reduce_max_memory_across_pp_group(memory_report: dict, pp_group) -> dict:
-    """Per-key maximum of ``memory_report`` over the pipeline stages.
-
-    Collective: call on every rank of ``pp_group`` with the same keys in the same order (report_memory
-    guarantees that), never behind a rank check. One float64 MAX all-reduce of all values. Returns
-    the input unchanged when the report is empty, torch.distributed is unavailable or uninitialized,
-    or the group has no callable ``size`` or a size <= 1; otherwise a new dict. The input is never
-    mutated.
-    """
-    if not memory_report or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return memory_report
-    if _group_size(pp_group) <= 1:
-        return memory_report
-    values = _pack(memory_report, get_collective_device(pp_group))
-    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=pp_group)
-    return _unpack(memory_report, values.tolist())
-
-
-def gather_memory_across_pp_group(memory_report: dict, pp_group) -> tuple[dict, list[dict]]:
-    """Every stage's report and their per-key maximum: ``(max_report, [stage_0_report, ...])``.
-
-    Collective over ``pp_group`` (one all-gather), under the same rules as
-    :func:`reduce_max_memory_across_pp_group`; without a group to gather over, this rank's report is
-    the only stage.
-    """
-    if (
-        not memory_report
-        or not torch.distributed.is_available()
-        or not torch.distributed.is_initialized()
-        or _group_size(pp_group) <= 1
-    ):
-        return memory_report, [memory_report]
-    local = _pack(memory_report, get_collective_device(pp_group))
-    gathered = [torch.empty_like(local) for _ in range(_group_size(pp_group))]
-    torch.distributed.all_gather(gathered, local, group=pp_group)
-    stages = [_unpack(memory_report, t.tolist()) for t in gathered]
-    peak = _unpack(memory_report, torch.stack(gathered).max(dim=0).values.tolist())
-    return peak, stages
-
-
-def format_memory_line(rank: int, iteration: int, memory_report: dict) -> str:
-    """Megatron's console memory line for one rank."""
-    parts = " | ".join(f"{name}: {value}" for name, value in memory_report.items())
-    return f"[Rank {rank}] (after {iteration} iterations) memory (GB) | {parts}"
+def print_rank_0(message: str) -> None:
+    """Print on global rank 0 only (every rank before torch.distributed is initialized)."""
+    if get_rank_safe() == 0:
+        print(message, flush=True)
 
 
 def print_rank_last(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+    """Print on the last global rank only, where the loggers live."""
+    if get_rank_safe() == get_world_size_safe() - 1:
         print(message, flush=True)
 
 
@@ -175,7 +93,373 @@ def mean_over_dp(values: list[torch.Tensor], dp_group) -> list[float]:
     if not values:
         return []
     stacked = torch.stack([v.detach().double().reshape(()) for v in values])
-    if dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(stacked, group=dp_group)
-        stacked /= dist.get_world_size(dp_group)
+    if torch.distributed.get_world_size(dp_group) > 1:
+        torch.distributed.all_reduce(stacked, group=dp_group)
+        stacked /= torch.distributed.get_world_size(dp_group)
     return stacked.tolist()
+
+
+def get_pg_collection(model):
+    """The ProcessGroupCollection the model was built with (the first chunk's), or the default one."""
+    from megatron_lite.core.process_groups_config import ProcessGroupCollection
+
+    for chunk in model if isinstance(model, list) else [model]:
+        if (pgc := getattr(chunk, "pg_collection", None)) is not None:
+            return pgc
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def reduce_max_stat_across_model_parallel_group(stat: float | None, mp_group) -> float | None:
+    """Max of ``stat`` over ``mp_group`` where None (a rank without it) counts as absent; None when
+    every rank has None. Collective over ``mp_group``."""
+    value = torch.tensor([-1.0 if stat is None else float(stat)], device=get_collective_device(mp_group))
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=mp_group)
+    return None if value.item() == -1.0 else value.item()
+
+
+def logical_and_across_model_parallel_group(input: bool, mp_group) -> bool:
+    """True only if ``input`` is True on every rank of ``mp_group``. Collective over ``mp_group``."""
+    value = torch.tensor([1 if input is True else 0], dtype=torch.int, device=get_collective_device(mp_group))
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=mp_group)
+    return bool(value.item())
+
+
+def param_is_not_shared(param: torch.nn.Parameter) -> bool:
+    """False for parameters marked ``shared`` (counted once, on another stage)."""
+    return not getattr(param, "shared", False)
+
+
+def param_is_not_tensor_parallel_duplicate(param, tp_group=None, expert_tp_group=None) -> bool:
+    """True for a parameter that counts once across tensor-parallel ranks: a TP shard, or a replicated
+    parameter on TP rank 0 (of ``expert_tp_group`` for expert parameters, which we do not have)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    group = expert_tp_group if not getattr(param, "allreduce", True) else tp_group
+    if group is None or not torch.distributed.is_initialized():
+        return True
+    return torch.distributed.get_rank(group) == 0
+
+
+def get_data_parallel_group_if_dtensor(param, data_parallel_group=None):
+    """The DTensor's data-parallel group; our parameters are plain tensors, so the given group."""
+    return data_parallel_group
+
+
+def to_local_if_dtensor(tensor):
+    """A DTensor's local shard; our parameters are plain tensors, so the tensor itself."""
+    return tensor
+
+
+def calc_params_l2_norm(
+    model, model_config, use_megatron_fsdp: bool = False, force_create_fp32_copy: bool = False
+):
+    """L2 norm of all parameters of ``model`` (a module or list of chunks) over every rank.
+
+    Each parameter counts once: shared ones (``param.shared``) and tensor-parallel duplicates are
+    skipped; with bf16 the fp32 master copy (``param.main_param``) is used when present, unless
+    ``force_create_fp32_copy``. Collective: the squared norm is summed over the model-parallel group.
+    Megatron FSDP is a feature we do not have.
+    """
+    if use_megatron_fsdp:
+        raise NotImplementedError("Megatron FSDP is not supported by megatron_lite")
+    chunks = model if isinstance(model, list) else [model]
+    pg_collection = get_pg_collection(chunks)
+    tensors, dp_group = [], None
+    for chunk in chunks:
+        for param in chunk.parameters():
+            dp_group = get_data_parallel_group_if_dtensor(param, dp_group)
+            if not param_is_not_tensor_parallel_duplicate(
+                param, tp_group=pg_collection.tp, expert_tp_group=pg_collection.expt_tp
+            ):
+                continue
+            if not param_is_not_shared(param):
+                continue
+            param = to_local_if_dtensor(param)
+            main = getattr(param, "main_param", None) if not force_create_fp32_copy else None
+            if model_config.bf16:
+                tensors.append(main if main is not None else param.data.float())
+            else:
+                tensors.append(param.data)
+    device = tensors[0].device if tensors else get_collective_device(pg_collection.mp)
+    norm_2 = torch.zeros(1, dtype=torch.float32, device=device)
+    for t in tensors:
+        norm_2 += t.detach().float().pow(2).sum()
+    if dp_group is not None:
+        torch.distributed.all_reduce(norm_2, op=torch.distributed.ReduceOp.SUM, group=dp_group)
+    torch.distributed.all_reduce(norm_2, op=torch.distributed.ReduceOp.SUM, group=pg_collection.mp)
+    return norm_2.item() ** 0.5
+
+
+def report_l2_norm_grad(model) -> dict:
+    """``l2_norm/grad/<name>`` for each trainable parameter's reduced gradient (``main_grad``) and
+    ``l2_norm/grad/global`` over them, as floats. Call after gradients are reduced and unscaled."""
+    metrics: dict = {}
+    for chunk in model:
+        for name, p in chunk.named_parameters():
+            if p.requires_grad and p.main_grad is not None:
+                metrics.setdefault(f"l2_norm/grad/{name}", torch.linalg.vector_norm(p.main_grad))
+    total = sum(v**2 for v in metrics.values()) ** 0.5 if metrics else 0.0
+    metrics["l2_norm/grad/global"] = total
+    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+
+
+_TIME_UNITS = {"seconds": 1, "minutes": 60, "hours": 3600, "days": 86400}
+
+
+def report_runtime(
+    train_state, start_time: float, seq_length: int, train_iters: int, time_unit: str = "seconds"
+):
+    """Elapsed and estimated remaining training time (in ``time_unit``) and consumed tokens, samples
+    and batches, under ``time/*``. The estimate assumes the rate so far holds."""
+    if time_unit not in _TIME_UNITS:
+        raise ValueError(
+            f'Invalid time_unit: {time_unit}. Must be one of "seconds", "minutes", "hours", or "days".'
+        )
+    divider = _TIME_UNITS[time_unit]
+    elapsed = time.time() - start_time
+    done = train_state.step / train_iters
+    return {
+        "time/remaining_estimate": elapsed / done * (1 - done) / divider,
+        "time/tokens": train_state.consumed_train_samples * seq_length,
+        "time/samples": train_state.consumed_train_samples,
+        "time/batches": train_state.step,
+        "time/total": elapsed / divider,
+    }
+
+
+def report_throughput(train_config, iteration: int, seq_length: int, history_wct: list, window_size: int):
+    """Batches, samples and tokens per second (overall and per device) over the last ``window_size``
+    iterations, whose wall-clock end times are ``history_wct``; {} until the window is full or when
+    the times do not advance (e.g. just after a resume)."""
+    if len(history_wct) < window_size:
+        return {}
+    elapsed_wct = history_wct[-1] - history_wct[0]
+    if elapsed_wct <= 0:
+        print_rank_0(
+            f"Warning: elapsed_wct is {elapsed_wct}, skipping throughput calculation at iteration {iteration}"
+        )
+        return {}
+    world_size = get_world_size_safe()
+    intervals = window_size - 1  # iterations completed between the first and the last timestamp
+    batches_per_sec = intervals / elapsed_wct
+    samples_per_sec = intervals * train_config.global_batch_size / elapsed_wct
+    metrics = {
+        "throughput/batches_per_sec": batches_per_sec,
+        "throughput/samples_per_sec": samples_per_sec,
+        "throughput/device/batches_per_sec": batches_per_sec / world_size,
+        "throughput/device/samples_per_sec": samples_per_sec / world_size,
+        "throughput/micro_batch_size": train_config.micro_batch_size,
+        "throughput/global_batch_size": train_config.global_batch_size,
+    }
+    tokens = intervals * train_config.global_batch_size * seq_length
+    if tokens > 0:
+        metrics["throughput/tokens_per_sec"] = tokens / elapsed_wct
+        metrics["throughput/device/tokens_per_sec"] = tokens / elapsed_wct / world_size
+    return metrics
+
+
+def training_log(
+    loss_dict,
+    total_loss_dict,
+    learning_rate,
+    decoupled_learning_rate,
+    loss_scale,
+    report_memory_flag,
+    skipped_iter,
+    grad_norm,
+    params_norm,
+    num_zeros_in_grad,
+    config,
+    global_state,
+    history_wct,
+    model,
+    *,
+    pg_collection=None,
+    log_max_attention_logit: float | None = None,
+    loaded_iteration: int = 0,
+    seq_length: int | None = None,
+    memory_report: dict | None = None,
+) -> bool:
+    """Log one iteration to the console and every sink; returns the new ``report_memory_flag``.
+
+    Call on every rank: the learning-rate, timer and memory reductions are collectives, gated only by
+    config and iteration. ``loss_dict`` holds this step's losses already averaged over data-parallel
+    ranks (empty off the last pipeline stage). ``memory_report``: this step's ``memory/*`` metrics if
+    the caller already reduced them over the pipeline (our loop does); None computes them here.
+    ``pg_collection`` defaults to the model's. Returns False once memory was reported after the
+    second iteration since ``loaded_iteration`` (so it includes the optimizer state).
+    """
+    lg, train_config, timers, train_state = (
+        config.logger,
+        config.train,
+        global_state.timers,
+        global_state.train_state,
+    )
+    iteration = train_state.step
+    writer = MetricsWriter.from_state(global_state)
+    pg_collection = pg_collection or get_pg_collection(model)
+    loggers_exist = bool(writer)
+
+    accumulate_losses(total_loss_dict, loss_dict, skipped_iter)
+    timers_to_log = timer_names(lg.timing_log_level)
+    batch_size = train_config.micro_batch_size * config.data_parallel_size * get_num_microbatches()
+    total_iterations = total_loss_dict[ADVANCED] + total_loss_dict[SKIPPED]
+    # Ranks without trainable parameters have no learning rate: take the model-parallel max.
+    learning_rate = reduce_max_stat_across_model_parallel_group(learning_rate, mp_group=pg_collection.mp)
+    tb_step = iteration % lg.tensorboard_log_interval == 0
+
+    if lg.log_timers_to_tensorboard and tb_step:
+        _write_timers(timers, timers_to_log, writer, iteration, total_iterations)
+
+    # Memory: reduced over the pipeline on EVERY rank before the writer-gated block below (only the
+    # last rank has loggers, while the peak usually lives on the first stage).
+    if memory_report is None and lg.log_memory_to_tensorboard and tb_step:
+        memory_report = report_memory(memory_keys=lg.memory_keys)
+        memory_report = reduce_max_memory_across_pp_group(memory_report, pg_collection.pp)
+        memory_report = {f"memory/{name}": value for name, value in memory_report.items()}
+
+    if loggers_exist and tb_step:
+        seq = seq_length if seq_length is not None else _seq_length(config)
+        if lg.log_throughput_to_tensorboard:
+            writer.write(
+                report_throughput(
+                    iteration=iteration,
+                    train_config=train_config,
+                    seq_length=seq,
+                    history_wct=history_wct,
+                    window_size=lg.throughput_window_size,
+                ),
+                iteration,
+            )
+        if lg.log_memory_to_tensorboard and memory_report:
+            writer.write(memory_report, iteration)
+        if lg.log_runtime_to_tensorboard:
+            start_time = getattr(global_state, "start_time", None) or time.time()
+            writer.write(
+                report_runtime(train_state, start_time, seq, train_config.train_iters, lg.runtime_time_unit),
+                iteration,
+            )
+        if lg.log_l2_norm_grad_to_tensorboard:
+            writer.write(report_l2_norm_grad(model), iteration)
+        samples = train_state.consumed_train_samples
+        writer.write({"samples vs steps": samples}, iteration, sinks=("wandb", "mlflow"))
+        if learning_rate is not None:
+            writer.write({"learning-rate": learning_rate}, iteration, samples=samples)
+        if config.optimizer.decoupled_lr is not None:
+            writer.write(
+                {"decoupled-learning-rate": decoupled_learning_rate}, iteration, sinks=("tensorboard",)
+            )
+        if train_state.skipped_train_samples > 0:
+            writer.write({"skipped-train-samples": train_state.skipped_train_samples}, iteration)
+        writer.write({"batch-size": batch_size}, iteration, samples=samples)
+        for key, value in loss_dict.items():
+            writer.write({key: value}, iteration, samples=samples, sinks=("tensorboard", "wandb"))
+        writer.write({k: float(v) for k, v in loss_dict.items()}, iteration, sinks=("mlflow", "comet"))
+        if lg.log_loss_scale_to_tensorboard:
+            writer.write({"loss-scale": loss_scale}, iteration, samples=samples)
+        if lg.log_world_size_to_tensorboard:
+            writer.write({"world-size": get_world_size_safe()}, iteration, samples=samples)
+        optional = {
+            "grad-norm": grad_norm,
+            "num-zeros": num_zeros_in_grad,
+            "params-norm": params_norm,
+            "max-attention-logit": log_max_attention_logit,
+        }
+        for key, value in optional.items():
+            if value is not None:
+                writer.write({key: value}, iteration, samples=samples)
+
+    if iteration % lg.log_interval == 0:
+        elapsed = timers("interval-time").elapsed(barrier=True)
+        per_iteration = elapsed / total_iterations
+        per_gpu_tf = _interval_tflops_per_gpu(config, global_state, elapsed)
+        if per_gpu_tf is not None:
+            print_rank_0(
+                f"Step Time : {per_iteration:.2f}s GPU utilization: {per_gpu_tf:.1f}MODEL_TFLOP/s/GPU"
+            )
+            if lg.log_throughput_to_tensorboard:
+                world = get_world_size_safe()
+                tflops = {"throughput/tflops/device": per_gpu_tf, "throughput/tflops": per_gpu_tf * world}
+                for key, value in tflops.items():
+                    writer.write({key: value}, iteration, sinks=("tensorboard", "wandb"))
+                mlflow_names = {
+                    "throughput/tflops_per_device": per_gpu_tf,
+                    "throughput/tflops": per_gpu_tf * world,
+                }
+                writer.write(mlflow_names, iteration, sinks=("mlflow",))
+                writer.write(tflops, iteration, sinks=("comet",))
+        if lg.log_timers_to_tensorboard:
+            writer.write({"iteration-time": per_iteration}, iteration)
+        line = iteration_line(
+            config,
+            global_state,
+            per_iteration,
+            per_gpu_tf if lg.log_throughput else None,
+            _energy_fields(global_state, writer, iteration, total_iterations, per_iteration),
+            learning_rate,
+            batch_size,
+            total_loss_dict,
+            loss_scale,
+            grad_norm,
+            num_zeros_in_grad,
+            params_norm,
+            log_max_attention_logit,
+        )
+        print_rank_last(line)
+        if report_memory_flag:
+            if torch.distributed.get_rank() == 0:
+                report_theoretical_memory(config, num_microbatches=get_num_microbatches(), verbose=True)
+            report = report_memory(lg.memory_keys)
+            if torch.distributed.get_rank(group=pg_collection.dp) == 0:
+                print(format_memory_line(torch.distributed.get_rank(), iteration, report), flush=True)
+            # Keep reporting through the second iteration, so the line includes the optimizer state.
+            if iteration > loaded_iteration + 1:
+                report_memory_flag = False
+        timers.log(timers_to_log, normalizer=lg.log_interval)
+    return report_memory_flag
+
+
+def _write_timers(timers, names, writer: MetricsWriter, iteration: int, normalizer) -> None:
+    """Timer maxima to every sink. Collective (the timers gather over ranks): call on every rank.
+    The samples are reset only by the last sink's write, so every sink sees the same values."""
+    backends = [
+        (getattr(timers, f"write_to_{sink}", None), logger)
+        for sink, logger in (("wandb", writer.wandb), ("mlflow", writer.mlflow), ("comet", writer.comet))
+    ]
+    backends = [(write, logger) for write, logger in backends if write is not None]
+    timers.write(names, writer.tensorboard, iteration, normalizer=normalizer, reset=not backends)
+    for index, (write, logger) in enumerate(backends):
+        write(names, logger, iteration, normalizer=normalizer, reset=index == len(backends) - 1)
+
+
+def _seq_length(config) -> int:
+    dataset = config.dataset
+    return dataset.seq_length if hasattr(dataset, "seq_length") else dataset.sequence_length
+
+
+def _interval_tflops_per_gpu(config, global_state, elapsed: float) -> float | None:
+    """Model TFLOP/s per GPU over this log interval: the FLOPs counted since the last log divided by
+    the interval's time. None for a model without attention shapes to count FLOPs from, or when no
+    FLOPs were counted (rather than a misleading 0)."""
+    model = config.model
+    if not (hasattr(model, "kv_channels") and hasattr(model, "num_attention_heads")):
+        return None
+    so_far = global_state.train_state.floating_point_operations_so_far
+    so_far = so_far if isinstance(so_far, (int, float)) else 0.0
+    if not so_far:
+        return None  # the loop counts no FLOPs (a caller of its own): no rate to report
+    previous = getattr(global_state, "_flops_at_last_log", 0.0)
+    previous = previous if isinstance(previous, (int, float)) else so_far
+    global_state._flops_at_last_log = so_far
+    return max(so_far - previous, 0.0) / elapsed / get_world_size_safe() / 1e12
+
+
+def _energy_fields(global_state, writer: MetricsWriter, iteration, total_iterations, per_iteration) -> str:
+    """Energy and power per GPU over the interval, when an energy monitor runs; written to the sinks."""
+    monitor = getattr(global_state, "energy_monitor", None)
+    if monitor is None:
+        return ""
+    energy = (monitor.lap() / total_iterations) / get_world_size_safe()
+    power = energy / per_iteration
+    writer.write({"iter-energy/gpu": float(energy), "power/gpu": float(power)}, iteration)
+    return f" energy per GPU (J/iter/GPU): {energy:.1f} | power per GPU (W/GPU): {power:.1f} |"

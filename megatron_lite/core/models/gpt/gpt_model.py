@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
@@ -11,7 +10,7 @@ from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 from megatron_lite.core.transformer.transformer_block import TransformerBlock
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-from megatron_lite.core.utils import init_method_normal, seeded_init
+from megatron_lite.core.utils import get_pg_rank, init_method_normal, seeded_init
 
 
 class GPTModel(nn.Module):
@@ -34,21 +33,27 @@ class GPTModel(nn.Module):
         share_embeddings_and_output_weights: bool = True,
         seed: int = 1234,
         pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
     ):
         super().__init__()
+        # Virtual pipeline chunks (interleaving) are a later feature: only chunk 0 exists.
+        assert vp_stage in (None, 0), f"vp_stage {vp_stage}: virtual pipeline stages are not supported yet"
+        self.vp_stage = vp_stage
         self.config = config
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.vocab_size = vocab_size
+        # Kept whole so a forward step can find the model's groups (as upstream's get_pg_collection).
+        self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp if pg_collection is not None else None
         pp_group = pg_collection.pp if pg_collection is not None else None
-        pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
+        pp_rank = get_pg_rank(pp_group)
         self.input_tensor: torch.Tensor | None = None
 
         if pre_process:
             with seeded_init(seed, "embedding"):
                 self.embedding = LanguageModelEmbedding(
-                    config, vocab_size, max_sequence_length, self.tp_group
+                    config, vocab_size, max_sequence_length, tp_group=self.tp_group
                 )
         self.decoder = TransformerBlock(
             config,
@@ -107,5 +112,5 @@ class GPTModel(nn.Module):
             return logits
         # labels [b, s] -> [s, b] to match the logits, then back to [b, s].
         return vocab_parallel_cross_entropy(
-            logits, labels.transpose(0, 1).contiguous(), self.tp_group
+            logits, labels.transpose(0, 1).contiguous(), tp_group=self.tp_group
         ).transpose(0, 1)

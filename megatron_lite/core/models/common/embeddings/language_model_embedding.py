@@ -11,8 +11,29 @@ from megatron_lite.core.utils import init_method_normal
 
 
 class LanguageModelEmbedding(nn.Module):
-    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int, tp_group=None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        position_embedding_type: str = "learned_absolute",
+        num_tokentypes: int = 0,
+        scatter_to_sequence_parallel: bool = True,
+        tp_group=None,
+        pg_collection=None,
+    ):
+        """Upstream's signature. Only learned absolute positions and no token types exist here (RoPE
+        is a later feature); ``scatter_to_sequence_parallel`` has no effect without sequence parallelism."""
         super().__init__()
+        if position_embedding_type != "learned_absolute":
+            raise NotImplementedError(
+                f"position_embedding_type={position_embedding_type!r} is not supported yet"
+            )
+        if num_tokentypes:
+            raise NotImplementedError("token-type embeddings are not supported by megatron_lite")
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.tp
+        self.config, self.vocab_size, self.max_sequence_length = config, vocab_size, max_sequence_length
         init = init_method_normal(config.init_method_std)
         self.word_embeddings = VocabParallelEmbedding(
             vocab_size, config.hidden_size, init_method=init, config=config, tp_group=tp_group
@@ -26,6 +47,10 @@ class LanguageModelEmbedding(nn.Module):
             init(weight)
             self.position_embeddings.weight.copy_(weight)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, tokentype_ids=None
+    ) -> torch.Tensor:
+        if tokentype_ids is not None:
+            raise NotImplementedError("token-type embeddings are not supported by megatron_lite")
         embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
         return embeddings.transpose(0, 1).contiguous()

@@ -1,0 +1,1 @@
+"""Base class of the language models: the loss over a vocabulary split across tensor-parallel ranks."""

@@ -1,0 +1,224 @@
+"""megatron_lite's own checks of a ConfigContainer, run by validate after upstream's.
+
+Upstream's checks (in ConfigContainer.validate and each section's finalize) say whether a config is
+coherent; these say whether megatron_lite can run it: features not built yet are refused by name,
+and the layout must split evenly. Each failure is one ConfigError naming the flag and the fix. Pure:
+they read the config and write nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.training.config_errors import ConfigError
+
+_SUPPORTED_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+def _refuse(flags: dict[str, bool]) -> None:
+    for flag, bad in flags.items():
+        if bad:
+            raise ConfigError(flag, "is not supported yet by megatron_lite")
+
+
+def check_supported(cfg) -> None:
+    """Refuse every field of a feature megatron_lite does not have, set away from its default."""
+    m, t, o, d, ck = cfg.model, cfg.train, cfg.optimizer, cfg.ddp, cfg.checkpoint
+    sch, ds, tok = cfg.scheduler, cfg.dataset, cfg.tokenizer
+    _refuse(
+        {
+            "--fp16": m.fp16 or o.fp16,
+            "--sequence-parallel": m.sequence_parallel,
+            "--virtual-pipeline-model-parallel-size": m.virtual_pipeline_model_parallel_size not in (None, 1),
+            "--expert-model-parallel-size": getattr(m, "expert_model_parallel_size", 1) != 1,
+            "--apply-rope-fusion": getattr(m, "apply_rope_fusion", False),
+            "--calculate-per-token-loss": getattr(m, "calculate_per_token_loss", False),
+            "--group-query-attention": getattr(m, "num_query_groups", None)
+            not in (None, m.num_attention_heads),
+            "--use-distributed-optimizer": o.use_distributed_optimizer or d.use_distributed_optimizer,
+            "--overlap-param-gather": o.overlap_param_gather or d.overlap_param_gather,
+            "--overlap-grad-reduce": d.overlap_grad_reduce,
+            "--use-precision-aware-optimizer": o.use_precision_aware_optimizer,
+            "--decoupled-lr": o.decoupled_lr is not None,
+            "--use-megatron-fsdp": d.use_megatron_fsdp or cfg.dist.use_megatron_fsdp,
+            "--use-torch-fsdp2": cfg.dist.use_torch_fsdp2,
+            "--use-tp-pp-dp-mapping": cfg.dist.use_tp_pp_dp_mapping,
+            "--eval-context-parallel-size": cfg.dist.eval_context_parallel_size is not None,
+            "--te-rng-tracker": cfg.rng.te_rng_tracker or cfg.rng.inference_rng_tracker,
+            "--data-parallel-random-init": cfg.rng.data_parallel_random_init,
+            "--rampup-batch-size": t.rampup_batch_size is not None,
+            "--num-epochs": t.num_epochs is not None,
+            "--exit-duration-in-mins": t.exit_duration_in_mins is not None,
+            "--skip-train": bool(cfg.validation.skip_train),
+            "--data-path": ds.data_path is not None or not ds.mock,
+            "--dataloader-type": ds.dataloader_type not in (None, "single"),
+            "--tokenizer-type": tok.tokenizer_type not in (None, "NullTokenizer")
+            or tok.tokenizer_model is not None,
+            "--pretrained-checkpoint": ck.pretrained_checkpoint is not None,
+            "--ckpt-step": ck.ckpt_step is not None,
+            "--async-save": ck.async_save,
+            "--load-main-params-from-ckpt": ck.load_main_params_from_ckpt,
+            "--no-save-optim": not ck.save_optim,
+            "--no-save-rng": not ck.save_rng,
+            "--start-weight-decay": sch.start_weight_decay is not None
+            or sch.weight_decay_incr_style != "constant",
+            "--override-opt-param-scheduler": sch.override_opt_param_scheduler,
+            "--use-checkpoint-opt-param-scheduler": sch.use_checkpoint_opt_param_scheduler,
+            "--rerun-mode": cfg.rerun_state_machine.rerun_mode != "disabled",
+            "--error-injection-rate": cfg.rerun_state_machine.error_injection_rate != 0,
+            "--check-for-spiky-loss": cfg.rerun_state_machine.check_for_spiky_loss,
+        }
+    )
+    if (ck.save or ck.load) and ck.ckpt_format != "torch":
+        raise ConfigError(
+            "--ckpt-format", f"{ck.ckpt_format!r} is not supported yet; megatron_lite saves and loads 'torch'"
+        )
+    p = cfg.profiling
+    if p is not None and (p.use_pytorch_profiler or p.use_nsys_profiler or p.record_memory_history):
+        raise ConfigError("--profile", "profiling is not supported yet by megatron_lite")
+    for name in (
+        "mixed_precision",
+        "comm_overlap",
+        "peft",
+        "ft",
+        "straggler",
+        "nvrx_straggler",
+        "tensor_inspect",
+    ):
+        if getattr(cfg, name) is not None:
+            raise ConfigError(name, "is not supported yet by megatron_lite; leave it None")
+    if cfg.inprocess_restart is not None and getattr(cfg.inprocess_restart, "enabled", True):
+        raise ConfigError("inprocess_restart", "is not supported yet by megatron_lite; leave it None")
+
+
+def check_ranges(cfg) -> None:
+    m, t, o, s, v, lg = cfg.model, cfg.train, cfg.optimizer, cfg.scheduler, cfg.validation, cfg.logger
+    positive = {
+        "--num-layers": m.num_layers,
+        "--hidden-size": m.hidden_size,
+        "--num-attention-heads": m.num_attention_heads,
+        "--ffn-hidden-size": m.ffn_hidden_size,
+        "--seq-length": cfg.dataset.seq_length,
+        "--max-position-embeddings": m.max_position_embeddings or m.seq_length,
+        "--vocab-size": m.vocab_size,
+        "--micro-batch-size": t.micro_batch_size,
+        "--global-batch-size": t.global_batch_size,
+        "--train-iters": t.train_iters,
+        "--tensor-model-parallel-size": m.tensor_model_parallel_size,
+        "--pipeline-model-parallel-size": m.pipeline_model_parallel_size,
+        "--context-parallel-size": m.context_parallel_size,
+        "--log-interval": lg.log_interval,
+        "--tensorboard-log-interval": lg.tensorboard_log_interval,
+        "--tensorboard-queue-size": lg.tensorboard_queue_size,
+        "--eval-iters": v.eval_iters,
+        "--distributed-timeout-minutes": cfg.dist.distributed_timeout_minutes,
+    }
+    optional_positive = {
+        "--nproc-per-node": cfg.dist.nproc_per_node,
+        "--save-interval": cfg.checkpoint.save_interval,
+        "--exit-interval": t.exit_interval,
+        "--eval-interval": v.eval_interval,
+        "--lr-decay-iters": s.lr_decay_iters,
+        "--lr-decay-samples": s.lr_decay_samples,
+    }
+    for flag, value in positive.items():
+        if value is None:
+            raise ConfigError(flag, "must be set")
+    for flag, value in {**positive, **{k: x for k, x in optional_positive.items() if x is not None}}.items():
+        if value <= 0:
+            raise ConfigError(flag, f"must be a positive integer, got {value}")
+    for flag, value in {
+        "--lr": o.lr,
+        "--min-lr": o.min_lr,
+        "--weight-decay": o.weight_decay,
+        "--clip-grad": o.clip_grad,
+        "--init-method-std": m.init_method_std,
+        "--lr-warmup-iters": s.lr_warmup_iters,
+        "--lr-warmup-samples": s.lr_warmup_samples,
+        "--lr-warmup-init": s.lr_warmup_init,
+    }.items():
+        if value < 0:
+            raise ConfigError(flag, f"must be >= 0, got {value}")
+    for flag, value in {
+        "--hidden-dropout": m.hidden_dropout,
+        "--attention-dropout": m.attention_dropout,
+        "--adam-beta1": o.adam_beta1,
+        "--adam-beta2": o.adam_beta2,
+    }.items():
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(flag, f"must be in [0, 1), got {value}")
+    if o.min_lr > o.lr:
+        raise ConfigError("--min-lr", f"must not exceed --lr ({o.min_lr} > {o.lr})")
+    if s.lr_warmup_fraction is not None and not 0.0 <= s.lr_warmup_fraction <= 1.0:
+        raise ConfigError("--lr-warmup-fraction", f"must be in [0, 1], got {s.lr_warmup_fraction}")
+    if s.lr_decay_style not in _SUPPORTED_DECAY_STYLES:
+        raise ConfigError("--lr-decay-style", f"must be constant, linear or cosine, got {s.lr_decay_style!r}")
+    mpe = m.max_position_embeddings or m.seq_length
+    if cfg.dataset.seq_length > mpe:
+        raise ConfigError(
+            "--seq-length",
+            f"{cfg.dataset.seq_length} exceeds --max-position-embeddings {mpe}; "
+            "lower --seq-length or raise --max-position-embeddings",
+        )
+    if cfg.dist.distributed_backend not in (None, "gloo", "nccl"):
+        raise ConfigError("--distributed-backend", "must be gloo or nccl")
+    if cfg.dist.distributed_backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("--distributed-backend", "nccl needs CUDA GPUs and none are visible; use gloo")
+
+
+def check_divisibility(cfg) -> None:
+    m, t = cfg.model, cfg.train
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    if m.num_layers % pp:
+        raise ConfigError(
+            "--num-layers",
+            f"{m.num_layers} layers do not split evenly over --pipeline-model-parallel-size {pp}; "
+            f"use a multiple of {pp}",
+        )
+    if m.num_attention_heads % tp:
+        raise ConfigError(
+            "--num-attention-heads",
+            f"{m.num_attention_heads} heads do not split over --tensor-model-parallel-size {tp}; "
+            f"use a multiple of {tp}",
+        )
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            "--hidden-size",
+            f"{m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}",
+        )
+    if m.ffn_hidden_size % tp:
+        raise ConfigError(
+            "--ffn-hidden-size", f"{m.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}"
+        )
+    per_step = t.micro_batch_size * cfg.data_parallel_size
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            "--global-batch-size",
+            f"{t.global_batch_size} is not divisible by --micro-batch-size x data-parallel size = "
+            f"{t.micro_batch_size} x {cfg.data_parallel_size}",
+        )
+
+
+def check_logger(cfg) -> None:
+    lg = cfg.logger
+    pairs = [
+        ("--wandb-project", lg.wandb_project, "--wandb-exp-name", lg.wandb_exp_name),
+        ("--mlflow-experiment", lg.mlflow_experiment, "--mlflow-run-name", lg.mlflow_run_name),
+        ("--comet-project", lg.comet_project, "--comet-experiment-name", lg.comet_experiment_name),
+    ]
+    for flag, project, name_flag, name in pairs:
+        if project is not None and not project.strip():
+            raise ConfigError(flag, "must not be empty")
+        if project and not name:
+            raise ConfigError(name_flag, f"is required with {flag}; give the run a name")
+        if name and not project:
+            raise ConfigError(flag, f"is required with {name_flag}")
+    if lg.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--wandb-project", "needs the 'wandb' package: pip install wandb")
+    if lg.log_memory_per_pp_stage and not lg.log_memory_to_tensorboard:
+        raise ConfigError("--log-memory-per-pp-stage", "needs --log-memory-to-tensorboard")
+    if cfg.checkpoint.save_interval and not cfg.checkpoint.save:
+        raise ConfigError("--save-interval", "needs --save DIR")

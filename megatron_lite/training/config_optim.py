@@ -1,0 +1,114 @@
+"""The optimizer and data-parallel sections of ConfigContainer (Megatron-Bridge names) and the
+checks across them and the model that upstream runs in ConfigContainer.validate.
+
+megatron_lite's optimizer is AdamW with fp32 master weights and its DDP an all-reduce of gradient
+buckets; the distributed-optimizer, overlap and FSDP fields keep upstream's names and defaults so
+configs port, and ConfigContainer.validate refuses them switched on.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig as _CoreOptimizerConfig
+from megatron_lite.training.config_errors import require
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig(_CoreOptimizerConfig):
+    """The core OptimizerConfig plus upstream's training-side fields and a finalize()."""
+
+    min_lr: float | None = None
+    """Learning rate at the end of decay; None means 0.0 (Megatron-LM's default)."""
+    decoupled_lr: float | None = None
+    """A separate learning rate for the input and output embeddings (not supported yet: None)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (not supported yet: False)."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather (not supported yet: False)."""
+    use_precision_aware_optimizer: bool = False
+    """Keep optimizer state in lower precision (not supported yet: False)."""
+
+    def finalize(self) -> None:
+        if self.min_lr is None:
+            self.min_lr = 0.0
+
+
+@dataclass(kw_only=True)
+class DistributedDataParallelConfig:
+    """How gradients are reduced over the data-parallel group."""
+
+    grad_reduce_in_fp32: bool = False
+    """Reduce gradients in fp32 (megatron_lite keeps fp32 main gradients, so they always are)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the gradient reduction with the backward pass (not supported yet: False)."""
+    overlap_param_gather: bool = False
+    """Overlap the parameter all-gather (distributed optimizer only; not supported yet: False)."""
+    use_distributed_optimizer: bool = False
+    """Distributed optimizer (not supported yet: False)."""
+    check_for_nan_in_grad: bool = False
+    """Check gradients for NaN before reducing them."""
+    bucket_size: int | None = None
+    """Parameters per reduction bucket; None means megatron_lite's default."""
+    average_in_collective: bool = False
+    """Average inside the collective instead of scaling before it."""
+    use_megatron_fsdp: bool = False
+    """Megatron FSDP (not supported: False)."""
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    """MXFP8 parameter all-gather buffer reuse (FP8 is not supported: False)."""
+
+    def finalize(self) -> None:
+        """Nothing is derived yet; present so ConfigContainer.validate finalizes every section alike."""
+
+
+def _validate_and_sync_distributed_optimizer_settings(config) -> None:
+    """As upstream: switching the distributed optimizer (or param-gather overlap) on in either the
+    DDP or the optimizer section switches it on in both (then megatron_lite refuses it)."""
+    for name in ("use_distributed_optimizer", "overlap_param_gather"):
+        ddp_value, opt_value = getattr(config.ddp, name), getattr(config.optimizer, name)
+        if ddp_value or opt_value:
+            if ddp_value != opt_value:
+                warnings.warn(
+                    f"{name} settings were not in sync: ddp.{name}={ddp_value}, optimizer.{name}={opt_value}. "
+                    f"Automatically enabling {name} for both settings.",
+                    stacklevel=2,
+                )
+            setattr(config.ddp, name, True)
+            setattr(config.optimizer, name, True)
+
+
+def _validate_mixed_precision_consistency(config) -> None:
+    """bf16 and fp16 are exclusive, and a precision-aware optimizer must match the model's precision."""
+    m, o = config.model, config.optimizer
+    require(
+        not (m.bf16 and m.fp16),
+        "--bf16",
+        "Model config cannot have both bf16=True and fp16=True. Please set only one precision mode.",
+    )
+    require(
+        not (o.bf16 and o.fp16),
+        "--bf16",
+        "Optimizer config cannot have both bf16=True and fp16=True. Please set only one precision mode.",
+    )
+    if not o.use_precision_aware_optimizer:
+        return
+    if m.bf16:
+        require(
+            o.bf16,
+            "--bf16",
+            "optimizer.bf16=True must be set when model.bf16=True and use_precision_aware_optimizer=True.",
+        )
+    if m.fp16:
+        require(
+            o.fp16,
+            "--fp16",
+            "optimizer.fp16=True must be set when model.fp16=True and use_precision_aware_optimizer=True.",
+        )
+    if not m.bf16 and not m.fp16:
+        require(
+            not o.bf16 and not o.fp16,
+            "--bf16",
+            "optimizer.bf16 and optimizer.fp16 must both be False when model is using fp32 precision "
+            "(model.bf16=False, model.fp16=False) and use_precision_aware_optimizer=True.",
+        )

@@ -1,0 +1,1 @@
+"""Tokenizer configuration (Megatron-Bridge's megatron.bridge.training.tokenizers)."""

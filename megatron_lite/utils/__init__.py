@@ -1,0 +1,1 @@
+"""Helpers shared by the training and model packages (upstream: megatron.bridge.utils)."""

@@ -1,0 +1,356 @@
+"""Upstream's train_utils surface (Megatron-Bridge training/utils/train_utils.py): dashboard names,
+training_log's calls to each sink, the reports, norms and forward-step injection."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+from dist_helpers import run_world
+
+from megatron_lite.core import num_microbatches_calculator as nmc
+from megatron_lite.training.utils import train_utils
+from megatron_lite.training.utils.metrics_writer import MetricsWriter
+from megatron_lite.training.utils.train_utils import (
+    MEMORY_KEYS,
+    calc_params_l2_norm,
+    maybe_inject_state,
+    needs_global_state_injection,
+    param_is_not_shared,
+    prepare_forward_step_func,
+    report_l2_norm_grad,
+    report_memory,
+    report_runtime,
+    report_throughput,
+    training_log,
+)
+
+TU = "megatron_lite.training.utils.train_utils"
+
+# The dashboard contract: upstream's tag names, spelling included.
+UPSTREAM_TAGS = [
+    "mem-allocated-gigabytes",
+    "mem-active-gigabytes",
+    "mem-inactive-gigabytes",
+    "mem-reserved-gigabytes",
+    "mem-max-allocated-gigabytes",
+    "mem-max-active-gigabytes",
+    "mem-max-inactive-gigabytes",
+    "mem-max-reserved-gigabytes",
+    "mem-alloc-retires",
+    "mem-allocated-count",
+]
+
+
+def test_memory_keys_are_upstreams_in_order():
+    assert list(MEMORY_KEYS) == [
+        "allocated_bytes.all.current",
+        "active_bytes.all.current",
+        "inactive_split_bytes.all.current",
+        "reserved_bytes.all.current",
+        "allocated_bytes.all.peak",
+        "active_bytes.all.peak",
+        "inactive_split_bytes.all.peak",
+        "reserved_bytes.all.peak",
+        "num_alloc_retries",
+        "allocation.all.current",
+    ]
+    assert [n.replace("bytes", "gigabytes") for n in MEMORY_KEYS.values()] == UPSTREAM_TAGS
+
+
+def test_cuda_report_has_upstream_names_then_our_extras(mocker):
+    mocker.patch("torch.cuda.is_available", return_value=True)
+    mocker.patch("torch.cuda.is_initialized", return_value=True)
+    stats = {k: 1_234_567_890 for k in MEMORY_KEYS} | {"num_alloc_retries": 3, "num_ooms": 2}
+    stats["allocation.all.current"] = 41
+    mocker.patch("torch.cuda.memory_stats", return_value=stats)
+    report = report_memory(None)
+    assert list(report)[:10] == UPSTREAM_TAGS
+    assert list(report)[10:] == ["mem-ooms", "mem-activation-gigabytes", "mem-max-activation-gigabytes"]
+    assert report["mem-max-reserved-gigabytes"] == 1.2346  # 5 significant digits
+    assert report["mem-alloc-retires"] == 3 and report["mem-allocated-count"] == 41
+    assert report_memory({}) == report  # empty means the default, as upstream
+
+
+def _config(**logger):
+    config = mock.MagicMock()
+    lg = config.logger
+    lg.log_interval, lg.tensorboard_log_interval, lg.timing_log_level = 5, 1, 0
+    lg.memory_keys = None
+    for flag in (
+        "log_timers_to_tensorboard",
+        "log_memory_to_tensorboard",
+        "log_throughput",
+        "log_throughput_to_tensorboard",
+        "log_runtime_to_tensorboard",
+        "log_l2_norm_grad_to_tensorboard",
+        "log_loss_scale_to_tensorboard",
+        "log_world_size_to_tensorboard",
+    ):
+        setattr(lg, flag, False)
+    for key, value in logger.items():
+        setattr(lg, key, value)
+    config.train.micro_batch_size, config.train.train_iters = 2, 100
+    config.data_parallel_size = 2
+    config.optimizer.decoupled_lr = None
+    config.model = SimpleNamespace(num_layers=2)  # no attention shapes: no FLOPs line
+    return config
+
+
+def _state(step, *, loggers=True):
+    state = mock.MagicMock()
+    state.train_state = SimpleNamespace(
+        step=step,
+        consumed_train_samples=step * 16,
+        skipped_train_samples=0,
+        floating_point_operations_so_far=0,
+    )
+    state.timers.return_value.elapsed.return_value = 2.0
+    state.energy_monitor = None
+    if not loggers:
+        state.tensorboard_logger = state.wandb_logger = state.mlflow_logger = state.comet_logger = None
+    return state
+
+
+@pytest.fixture
+def patched(mocker):
+    mocker.patch(f"{TU}.get_num_microbatches", return_value=4)
+    mocker.patch(f"{TU}.reduce_max_stat_across_model_parallel_group", side_effect=lambda v, mp_group: v)
+    mocker.patch(f"{TU}.get_world_size_safe", return_value=8)
+    return SimpleNamespace(
+        print_last=mocker.patch(f"{TU}.print_rank_last"),
+        reduce=mocker.patch(
+            f"{TU}.reduce_max_memory_across_pp_group", side_effect=lambda r, g: {**r, "x": 9}
+        ),
+        report=mocker.patch(f"{TU}.report_memory", return_value={"mem-max-allocated-gigabytes": 1.5}),
+    )
+
+
+def _log(state, config, loss=2.0, skipped=0, totals=None, **kw):
+    return training_log(
+        {"lm loss": torch.tensor(loss)},
+        {} if totals is None else totals,
+        1e-3,
+        None,
+        1.0,
+        kw.pop("report_memory_flag", False),
+        skipped,
+        kw.pop("grad_norm", None),
+        None,
+        None,
+        config,
+        state,
+        [],
+        [],
+        pg_collection=SimpleNamespace(mp="mp", pp="pp", dp="dp"),
+        **kw,
+    )
+
+
+def test_memory_is_reduced_on_a_rank_without_loggers(patched):
+    config = _config(log_memory_to_tensorboard=True)
+    _log(_state(3, loggers=False), config)
+    patched.reduce.assert_called_once_with({"mem-max-allocated-gigabytes": 1.5}, "pp")
+
+
+def test_memory_tags_reach_every_sink_with_the_memory_prefix(patched):
+    state = _state(3)
+    _log(state, _config(log_memory_to_tensorboard=True))
+    expected = {"memory/mem-max-allocated-gigabytes": 1.5, "memory/x": 9}
+    state.tensorboard_logger.add_scalar.assert_any_call("memory/x", 9, 3)
+    state.wandb_logger.log.assert_any_call(expected, 3)
+    state.mlflow_logger.log_metrics.assert_any_call(expected, step=3)
+    state.comet_logger.log_metrics.assert_any_call(expected, step=3)
+
+
+def test_a_memory_report_from_the_loop_is_used_as_given(patched):
+    state = _state(3)
+    _log(state, _config(log_memory_to_tensorboard=True), memory_report={"memory/mine": 4.0})
+    patched.report.assert_not_called() and patched.reduce.assert_not_called()
+    state.wandb_logger.log.assert_any_call({"memory/mine": 4.0}, 3)
+
+
+def test_general_scalars_have_upstream_names_and_sample_curves(patched):
+    state = _state(2)
+    _log(state, _config(log_loss_scale_to_tensorboard=True), grad_norm=0.5)
+    tb = state.tensorboard_logger.add_scalar
+    tb.assert_any_call("batch-size", 16, 2)  # micro 2 x dp 2 x 4 microbatches
+    tb.assert_any_call("batch-size vs samples", 16, 32)
+    tb.assert_any_call("grad-norm vs samples", 0.5, 32)
+    tb.assert_any_call("loss-scale", 1.0, 2)
+    state.wandb_logger.log.assert_any_call({"samples vs steps": 32}, 2)
+    state.comet_logger.log_metrics.assert_any_call({"lm loss": 2.0}, step=2)
+    assert "samples vs steps" not in str(state.comet_logger.log_metrics.call_args_list)
+
+
+def test_interval_line_averages_advanced_losses_and_counts_nans(patched):
+    state, config, totals = _state(4), _config(), {}
+    _log(state, config, loss=float("nan"), skipped=1, totals=totals)
+    for step, loss in ((4, 1.0), (5, 3.0)):
+        state.train_state.step = step
+        _log(state, config, loss=loss, totals=totals)
+    line = patched.print_last.call_args[0][0]
+    assert " iteration        5/     100 |" in line and " global batch size:    16 |" in line
+    assert " lm loss: 2.000000E+00 |" in line
+    assert "number of skipped iterations:   1 | number of nan iterations:   1 |" in line
+    assert "elapsed time per iteration (ms): 666.7 |" in line  # 2 s over 3 iterations
+    assert totals["advanced iterations"] == totals["nan iterations"] == 0
+    assert totals["lm loss"].item() == 0.0
+
+
+def test_memory_flag_kept_through_the_second_iteration_after_load(patched, mocker, capsys):
+    mocker.patch("torch.distributed.get_rank", return_value=0)
+    theoretical = mocker.patch(f"{TU}.report_theoretical_memory")
+    config = _config(log_interval=1)
+    assert _log(_state(11), config, report_memory_flag=True, loaded_iteration=10) is True
+    assert _log(_state(12), config, report_memory_flag=True, loaded_iteration=10) is False
+    assert theoretical.call_count == 2
+    assert (
+        "[Rank 0] (after 12 iterations) memory (GB) | mem-max-allocated-gigabytes: 1.5"
+        in capsys.readouterr().out
+    )
+
+
+def test_training_log_signature_is_upstreams():
+    params = inspect.signature(training_log).parameters
+    assert list(params)[:14] == [
+        "loss_dict",
+        "total_loss_dict",
+        "learning_rate",
+        "decoupled_learning_rate",
+        "loss_scale",
+        "report_memory_flag",
+        "skipped_iter",
+        "grad_norm",
+        "params_norm",
+        "num_zeros_in_grad",
+        "config",
+        "global_state",
+        "history_wct",
+        "model",
+    ]
+    for name in (
+        "pg_collection",
+        "log_max_attention_logit",
+        "loaded_iteration",
+        "seq_length",
+        "memory_report",
+    ):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_metrics_writer_uses_each_sinks_call_shape():
+    tb, run, ml, comet = (mock.MagicMock() for _ in range(4))
+    writer = MetricsWriter(tb, run, ml, comet)
+    writer.write({"memory/pp-stage-0/a@b": torch.tensor(2.0)}, 7, sinks=("wandb", "mlflow"))
+    run.log.assert_called_once_with({"memory/pp-stage-0/a@b": 2.0}, 7)
+    ml.log_metrics.assert_called_once()
+    assert list(ml.log_metrics.call_args[0][0]) == ["memory/pp-stage-0/a_b"]
+    tb.add_scalar.assert_not_called() and comet.log_metrics.assert_not_called()
+    assert not MetricsWriter() and bool(MetricsWriter(comet=comet))
+
+
+def test_throughput_over_the_window(mocker):
+    mocker.patch(f"{TU}.get_world_size_safe", return_value=4)
+    cfg = SimpleNamespace(global_batch_size=8, micro_batch_size=2)
+    assert report_throughput(cfg, 10, 32, [1.0, 2.0], window_size=3) == {}
+    out = report_throughput(cfg, 10, 32, [1.0, 2.0, 3.0], window_size=3)
+    assert out["throughput/samples_per_sec"] == 8.0 and out["throughput/device/tokens_per_sec"] == 64.0
+    warn = mocker.patch(f"{TU}.print_rank_0")
+    assert report_throughput(cfg, 10, 32, [3.0, 2.0, 3.0], window_size=3) == {}
+    assert "elapsed_wct is 0.0" in warn.call_args[0][0]
+
+
+def test_runtime_estimate_and_units(mocker):
+    mocker.patch(f"{TU}.time.time", return_value=1000.0)
+    ts = SimpleNamespace(step=25, consumed_train_samples=200)
+    out = report_runtime(ts, start_time=880.0, seq_length=64, train_iters=100, time_unit="minutes")
+    assert out["time/total"] == 2.0 and out["time/remaining_estimate"] == pytest.approx(6.0)
+    assert out["time/tokens"] == 200 * 64 and out["time/batches"] == 25
+    with pytest.raises(ValueError, match="Invalid time_unit: weeks"):
+        report_runtime(ts, 0.0, 64, 100, time_unit="weeks")
+
+
+def test_l2_norm_grad_per_parameter_and_global():
+    model = torch.nn.Linear(2, 2)
+    model.weight.main_grad = torch.full((2, 2), 3.0)
+    model.bias.main_grad = torch.tensor([0.0, 4.0])
+    out = report_l2_norm_grad([model])
+    assert out == {
+        "l2_norm/grad/weight": 6.0,
+        "l2_norm/grad/bias": 4.0,
+        "l2_norm/grad/global": pytest.approx(52**0.5),
+    }
+
+
+def _world_reductions(rank, world):
+    """calc_params_l2_norm and the model-parallel reductions over one real two-rank group."""
+    group = torch.distributed.new_group([0, 1])
+    all_true = train_utils.logical_and_across_model_parallel_group(True, group)
+    one_false = train_utils.logical_and_across_model_parallel_group(rank == 0, group)
+    lr = train_utils.reduce_max_stat_across_model_parallel_group(2.0 if rank else None, group)
+    none = train_utils.reduce_max_stat_across_model_parallel_group(None, group)
+    model = torch.nn.Module()
+    model.shard = torch.nn.Parameter(torch.full((3,), float(rank + 1)))  # TP shard: counts on each rank
+    model.shard.tensor_model_parallel = True
+    model.replica = torch.nn.Parameter(torch.full((4,), 2.0))  # replicated: counts once
+    model.tied = torch.nn.Parameter(torch.full((5,), 7.0))
+    model.tied.shared = True  # counted on the stage that owns it
+    model.pg_collection = SimpleNamespace(tp=group, expt_tp=group, mp=group)
+    return calc_params_l2_norm(model, SimpleNamespace(bf16=False)), (all_true, one_false, lr, none)
+
+
+def test_params_norm_and_model_parallel_reductions_over_a_real_group():
+    """Each parameter counts once over the TP ranks; None learning rates are absent from the max."""
+    expected = math.sqrt(3 * 1 + 3 * 4 + 4 * 4)
+    assert run_world(_world_reductions, 2) == [(pytest.approx(expected), (True, False, 2.0, None))] * 2
+
+
+def test_bf16_norm_prefers_the_fp32_master():
+    model = torch.nn.Linear(2, 1, bias=False).to(torch.bfloat16)
+    model.weight.main_param = torch.tensor([[3.0, 4.0]])
+    group = SimpleNamespace(tp=None, expt_tp=None, mp=None)
+    with (
+        mock.patch(f"{TU}.get_pg_collection", return_value=group),
+        mock.patch("torch.distributed.all_reduce"),
+    ):
+        assert calc_params_l2_norm(model, SimpleNamespace(bf16=True)) == 5.0
+        assert calc_params_l2_norm(model, SimpleNamespace(bf16=True), force_create_fp32_copy=True) != 5.0
+    assert param_is_not_shared(model.weight)
+
+
+def test_forward_step_injection():
+    class State:
+        pass
+
+    def with_state(state, data_iterator, model):
+        return state
+
+    def annotated(data_iterator, model, s: GlobalState):  # noqa: F821 (a string: future annotations)
+        return s
+
+    def plain(data_iterator, model):
+        return model
+
+    state = State()
+    assert needs_global_state_injection(with_state) and needs_global_state_injection(annotated)
+    assert not needs_global_state_injection(plain)
+    assert prepare_forward_step_func(with_state, state)(None, None) is state
+    assert prepare_forward_step_func(plain, state) is plain
+    assert maybe_inject_state(plain, state, needs_injection=True).args == (state,)
+
+
+def test_constant_microbatch_calculator():
+    nmc.reconfigure_num_microbatches_calculator(0, None, 32, 2, 4)
+    assert nmc.get_num_microbatches() == 4 and nmc.get_current_global_batch_size() == 32
+    with pytest.raises(ValueError, match="rampup_batch_size"):
+        nmc.reconfigure_num_microbatches_calculator(0, [4, 4, 100], 32, 2, 4)
+    with pytest.raises(ValueError, match="not divisible"):
+        nmc.reconfigure_num_microbatches_calculator(0, None, 30, 2, 4)
+    nmc.unset_num_microbatches_calculator()
+    with pytest.raises(AssertionError):
+        nmc.get_num_microbatches()
