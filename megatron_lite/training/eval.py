@@ -11,8 +11,9 @@ from megatron_lite.core.pipeline_parallel import get_forward_backward_func
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.forward_step_func_types import prepare_forward_step_func
 from megatron_lite.training.state import GlobalState
+from megatron_lite.training.utils.loss_reduction import accumulate_loss_reports, reduce_loss_reports
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
-from megatron_lite.training.utils.train_utils import mean_over_dp, print_rank_last
+from megatron_lite.training.utils.train_utils import print_rank_last
 
 
 def evaluate(
@@ -40,14 +41,11 @@ def evaluate(
                 pg_collection=pg_collection,
             )
             global_state.train_state.consumed_valid_samples += eval_gbs
-            for key in losses[0] if losses else {}:
-                totals[key] = totals.get(key, 0.0) + torch.stack([x[key] for x in losses]).mean()
+            accumulate_loss_reports(totals, losses)
     model.train()
     if not parallel_state.is_pipeline_last_stage():
         return {}
-    keys = list(totals)
-    means = mean_over_dp([totals[k] / config.validation.eval_iters for k in keys], pg_collection.dp_cp)
-    return dict(zip(keys, means))
+    return {k: v.item() for k, v in reduce_loss_reports(totals, pg_collection.dp_cp).items()}
 
 
 def evaluate_and_print_results(forward_step_func, data_iterator, model, config, global_state, pg_collection):

@@ -6,7 +6,6 @@ import contextlib
 import time
 from collections import deque
 
-import torch
 import torch.distributed as dist
 
 from megatron_lite.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
@@ -17,6 +16,7 @@ from megatron_lite.training.eval import evaluate_and_print_results
 from megatron_lite.training.forward_step_func_types import prepare_forward_step_func
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 from megatron_lite.training.utils.flop_utils import num_floating_point_operations
+from megatron_lite.training.utils.loss_reduction import accumulate_loss_reports, reduce_loss_reports
 from megatron_lite.training.utils.train_utils import (
     device_memory_capacity_gigabytes,
     gather_memory_across_pp_group,
@@ -60,21 +60,12 @@ def train_step(
     timers("optimizer").stop()
     if update_successful:
         scheduler.step(increment=config.train.global_batch_size)
-    return _mean_loss_over_dp(losses, pg_collection.dp_cp), int(not update_successful), grad_norm, num_zeros
-
-
-def _mean_loss_over_dp(losses: list[dict], dp_cp_group) -> dict[str, torch.Tensor]:
-    """Each loss averaged over this rank's microbatches and then over the data-parallel ranks, as
-    upstream's train_step hands them to training_log; {} off the last pipeline stage (no losses).
-    Collective over ``dp_cp_group`` on the ranks that hold losses (all of that group, or none)."""
-    if not losses:
-        return {}
-    keys = list(losses[0])
-    means = torch.stack([torch.stack([x[k].detach().float() for x in losses]).mean() for k in keys])
-    if dist.get_world_size(dp_cp_group) > 1:
-        dist.all_reduce(means, group=dp_cp_group)
-        means /= dist.get_world_size(dp_cp_group)
-    return dict(zip(keys, means.unbind()))
+    return (
+        reduce_loss_reports(accumulate_loss_reports({}, losses), pg_collection.dp_cp),
+        int(not update_successful),
+        grad_norm,
+        num_zeros,
+    )
 
 
 def _memory_metrics(lg, iteration: int, pp_group) -> dict[str, float] | None:

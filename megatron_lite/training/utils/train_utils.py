@@ -69,7 +69,6 @@ __all__ = [
     "device_memory_capacity_gigabytes",
     "format_memory_line",
     "gather_memory_across_pp_group",
-    "mean_over_dp",
     "print_rank_0",
     "print_rank_last",
     "report_theoretical_memory",
@@ -86,17 +85,6 @@ def print_rank_last(message: str) -> None:
     """Print on the last global rank only, where the loggers live."""
     if get_rank_safe() == get_world_size_safe() - 1:
         print(message, flush=True)
-
-
-def mean_over_dp(values: list[torch.Tensor], dp_group) -> list[float]:
-    """Average scalars over the data-parallel group in one all-reduce. Collective over ``dp_group``."""
-    if not values:
-        return []
-    stacked = torch.stack([v.detach().double().reshape(()) for v in values])
-    if torch.distributed.get_world_size(dp_group) > 1:
-        torch.distributed.all_reduce(stacked, group=dp_group)
-        stacked /= torch.distributed.get_world_size(dp_group)
-    return stacked.tolist()
 
 
 def get_pg_collection(model):
