@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -30,10 +32,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def _entry(rank, world_size, store_path, fn, args, queue):
+    os.environ.update(OMP_NUM_THREADS="1")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # A file rendezvous: no port to pick, so concurrent test runs cannot collide on one.
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         queue.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -46,9 +49,11 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on every rank of a real gloo world; return each rank's result."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="megatron_lite_world_")
+    store_path = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, queue))
+        for r in range(world_size)
     ]
     for p in procs:
         p.start()
@@ -64,6 +69,7 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     return [results[r] for r in range(world_size)]
 
 
