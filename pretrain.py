@@ -76,6 +76,9 @@ def main(argv: list[str]) -> int:
             f" logs: {config.logger.tensorboard_dir}  (tensorboard --logdir {config.logger.tensorboard_dir}; "
             f"python tools/memory_report.py {config.logger.tensorboard_dir})"
         )
+    if code == 0 and config.profiling is not None and config.profiling.use_pytorch_profiler:
+        traces = os.path.join(os.path.dirname(config.logger.tensorboard_dir), "torch_profile")
+        print(f" profiler traces: {traces}  (one rank-<rank>.json.gz per profiled rank; open in Perfetto)")
     return code
 
 

@@ -227,7 +227,10 @@ def test_mixed_precision_and_distributed_optimizer_checks(mocker):
             ),
             "--ckpt-format",
         ),
-        (lambda c: setattr(c, "profiling", ProfilingConfig(use_pytorch_profiler=True)), "--profile"),
+        (
+            lambda c: setattr(c, "profiling", ProfilingConfig(record_memory_history=True)),
+            "--record-memory-history",
+        ),
         (lambda c: setattr(c, "mixed_precision", "bf16_mixed"), "mixed_precision"),
         (lambda c: setattr(c.train, "rampup_batch_size", [8, 8, 100]), "--rampup-batch-size"),
     ],

@@ -15,6 +15,7 @@ import time
 import warnings
 
 from megatron_lite.training.config import ConfigContainer, ConfigError
+from megatron_lite.training.config_sections import ProfilingConfig
 
 # (flag, section, field, type, help). type is a callable, "store_true" or "store_false".
 FLAGS: list[tuple[str, str, str, object, str]] = [
@@ -179,6 +180,18 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--distributed-timeout-minutes", "dist", "distributed_timeout_minutes", int, "Collective timeout."),
 ]
 
+# Profiler flags (config.profiling, None unless --profile): (flag, field, type, help).
+PROFILING_FLAGS: list[tuple[str, str, object, str]] = [
+    ("--use-pytorch-profiler", "use_pytorch_profiler", "store_true", "torch.profiler, not Nsight Systems."),
+    ("--profile-step-start", "profile_step_start", int, "Global step to start profiling (default: 10)."),
+    ("--profile-step-end", "profile_step_end", int, "Global step to stop profiling (default: 12)."),
+    ("--profile-ranks", "profile_ranks", "+", "Global ranks to profile (default: 0)."),
+    ("--pytorch-profiler-collect-shapes", "pytorch_profiler_collect_shapes", "store_true", "Record shapes."),
+    ("--pytorch-profiler-collect-callstack", "pytorch_profiler_collect_callstack", "store_true", "Stacks."),
+    ("--pytorch-profiler-collect-chakra", "pytorch_profiler_collect_chakra", "store_true", "Chakra traces."),
+    ("--record-shapes", "record_shapes", "store_true", "Shapes in Nsight Systems' NVTX ranges."),
+]
+
 # Upstream flags whose features are not built yet: parsed, then refused if given.
 UNSUPPORTED_FLAGS: dict[str, object] = {
     "--data-path": "+",
@@ -240,6 +253,17 @@ def build_parser() -> argparse.ArgumentParser:
                 metavar=metavars[kind],
                 help=f"{help_text} (default: {default})",
             )
+    profiling = parser.add_argument_group("profiling (config.profiling)")
+    profiling.add_argument(
+        "--profile", action="store_true", help="Profile (Nsight Systems, or torch.profiler)."
+    )
+    for flag, _name, kind, help_text in PROFILING_FLAGS:
+        dest = flag[2:].replace("-", "_")
+        if kind == "store_true":
+            profiling.add_argument(flag, dest=dest, action=kind, default=None, help=help_text)
+        else:
+            nargs, kind = ("+", int) if kind == "+" else (None, kind)
+            profiling.add_argument(flag, dest=dest, type=kind, nargs=nargs, metavar="N", help=help_text)
     for flag, kind in UNSUPPORTED_FLAGS.items():
         dest = "unsupported_" + flag[2:].replace("-", "_")
         if kind == "store_true":
@@ -266,6 +290,7 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             setattr(getattr(config, section), name, value)
+    config.profiling = _profiling_from_args(args)
     t, m = config.train, config.model
     if args.train_samples is not None and args.train_iters is None:
         t.train_iters = None  # the demo's default length gives way to --train-samples
@@ -283,10 +308,27 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
     config.dataset.random_seed = config.rng.seed
     config.optimizer.bf16, config.optimizer.fp16 = m.bf16, m.fp16
     lg = config.logger
-    if lg.tensorboard_dir is None and (lg.log_memory_to_tensorboard or lg.log_timers_to_tensorboard):
+    torch_profiler = config.profiling is not None and config.profiling.use_pytorch_profiler
+    if lg.tensorboard_dir is None and (
+        lg.log_memory_to_tensorboard or lg.log_timers_to_tensorboard or torch_profiler
+    ):
         # A TensorBoard flag without a directory still logs, somewhere the user is told about.
         lg.tensorboard_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"), "tensorboard")
     return config
+
+
+def _profiling_from_args(args: argparse.Namespace) -> ProfilingConfig | None:
+    """config.profiling from the flags: None without --profile, whose sub-flags then are refused
+    (upstream would ignore them silently)."""
+    given = {name: getattr(args, f[2:].replace("-", "_")) for f, name, _k, _h in PROFILING_FLAGS}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not args.profile:
+        if given:
+            flag = next(f for f, name, _k, _h in PROFILING_FLAGS if name in given)
+            raise ConfigError(flag, "needs --profile")
+        return None
+    torch_profiler = given.pop("use_pytorch_profiler", False)
+    return ProfilingConfig(use_pytorch_profiler=torch_profiler, use_nsys_profiler=not torch_profiler, **given)
 
 
 def parse_args(argv: list[str] | None = None) -> ConfigContainer:

@@ -105,7 +105,7 @@ class ConfigContainer(_ConfigContainerBase):
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistributedInitConfig = field(default_factory=DistributedInitConfig)
     profiling: ProfilingConfig | None = None
-    """Profiler settings (no profiler is supported yet: None or all disabled)."""
+    """Profiler settings; None profiles nothing."""
     mixed_precision: object | None = None
     """Mixed-precision recipe (not supported: precision is model.bf16)."""
     comm_overlap: object | None = None

@@ -74,8 +74,29 @@ def check_supported(cfg) -> None:
             "--ckpt-format", f"{ck.ckpt_format!r} is not supported yet; megatron_lite saves and loads 'torch'"
         )
     p = cfg.profiling
-    if p is not None and (p.use_pytorch_profiler or p.use_nsys_profiler or p.record_memory_history):
-        raise ConfigError("--profile", "profiling is not supported yet by megatron_lite")
+    if p is not None:
+        _refuse(
+            {
+                "--record-memory-history": p.record_memory_history,
+                "--pytorch-profiler-collect-chakra": p.pytorch_profiler_collect_chakra,
+            }
+        )
+        if p.use_nsys_profiler and not torch.cuda.is_available():
+            raise ConfigError(
+                "--profile",
+                "alone records with Nsight Systems, which needs CUDA; add --use-pytorch-profiler on CPU",
+            )
+        if (p.use_pytorch_profiler or p.use_nsys_profiler) and (
+            cfg.train.train_iters or 0
+        ) < p.profile_step_end:
+            raise ConfigError(
+                "--profile-step-end",
+                f"{p.profile_step_end} is past --train-iters {cfg.train.train_iters}: the profile would never end",
+            )
+        if p.use_pytorch_profiler and not cfg.logger.tensorboard_dir:
+            raise ConfigError(
+                "--use-pytorch-profiler", "writes its traces beside --tensorboard-dir; set --tensorboard-dir"
+            )
     for name in (
         "mixed_precision",
         "comm_overlap",

@@ -251,18 +251,26 @@ class RerunStateMachineConfig:
 
 @dataclass(kw_only=True)
 class ProfilingConfig:
-    """Profiler settings. megatron_lite has no profiler integration yet; validate refuses one enabled."""
+    """Profiler settings: torch.profiler traces per rank, or Nsight Systems ranges on CUDA."""
 
     use_nsys_profiler: bool = False
-    """Nsight Systems ranges (not supported yet)."""
+    """Nsight Systems: start CUDA's profiler at profile_step_start (``--profile``; needs CUDA)."""
     profile_step_start: int = 10
-    """First profiled iteration."""
+    """Global step to start profiling."""
     profile_step_end: int = 12
-    """Last profiled iteration."""
+    """Global step to stop profiling."""
     use_pytorch_profiler: bool = False
-    """torch.profiler traces (not supported yet)."""
+    """torch.profiler: one Chrome trace per profiled rank under <tensorboard_dir>/../torch_profile."""
+    pytorch_profiler_collect_shapes: bool = False
+    """Record tensor shapes in the torch profiler's trace."""
+    pytorch_profiler_collect_callstack: bool = False
+    """Record Python call stacks in the torch profiler's trace."""
+    pytorch_profiler_collect_chakra: bool = False
+    """Chakra execution traces (not supported yet)."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
-    """Ranks to profile."""
+    """Global ranks to profile; empty means every rank."""
+    record_shapes: bool = False
+    """Record tensor shapes in the NVTX ranges of the Nsight Systems profiler."""
     record_memory_history: bool = False
     """CUDA memory snapshots (not supported yet)."""
 

@@ -14,6 +14,12 @@ from megatron_lite.training import checkpointing
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.eval import evaluate_and_print_results
 from megatron_lite.training.forward_step_func_types import prepare_forward_step_func
+from megatron_lite.training.profiling import (
+    handle_profiling_step,
+    handle_profiling_stop,
+    initialize_pytorch_profiler,
+    should_profile_rank,
+)
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 from megatron_lite.training.utils.flop_utils import num_floating_point_operations
 from megatron_lite.training.utils.loss_reduction import accumulate_loss_reports, reduce_loss_reports
@@ -116,9 +122,15 @@ def train(forward_step_func, setup_output) -> None:
             checkpointing.save_checkpoint(state, s.model, s.optimizer, s.scheduler, s.pg_collection)
             last_saved = ts.step
 
+    prof_config, rank = config.profiling, dist.get_rank()
+    prof, nsys_context = None, None
+    if should_profile_rank(prof_config, rank) and prof_config.use_pytorch_profiler:
+        prof = initialize_pytorch_profiler(prof_config, config.logger.tensorboard_dir)
+        prof.start()
     with handler:
         timers("interval-time", log_level=0).start()
         while ts.step < config.train.train_iters:
+            nsys_context = handle_profiling_step(prof_config, ts.step, rank, prof) or nsys_context
             start = time.perf_counter()
             loss_dict, skipped, grad_norm, num_zeros = train_step(
                 forward_step_func,
@@ -161,6 +173,7 @@ def train(forward_step_func, setup_output) -> None:
                 loaded_iteration=loaded_iteration,
                 memory_report=memory_report,
             )
+            handle_profiling_stop(prof_config, ts.step, rank, prof, nsys_context)
             if (
                 config.validation.eval_interval
                 and ts.step % config.validation.eval_interval == 0
