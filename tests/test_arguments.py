@@ -40,6 +40,25 @@ BAD_INPUT = [
     (["--train-samples", "160", "--train-iters", "5"], "--train-samples"),
     (["--lr-decay-samples", "100"], "--lr-decay-samples"),
     (["--save", "ck", "--ckpt-format", "torch_dist"], "--ckpt-format"),
+    (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups"),
+    (
+        ["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"],
+        "--num-query-groups",
+    ),
+    (["--num-query-groups", "2"], "--num-query-groups"),
+    (["--group-query-attention"], "--group-query-attention"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "1.5"], "--rotary-percent"),
+    (
+        ["--position-embedding-type", "rope", "--kv-channels", "4", "--rotary-percent", "0.3"],
+        "--rotary-percent",
+    ),
+    (["--position-embedding-type", "alibi"], "--position-embedding-type"),
+    (["--position-embedding-type", "relative"], "--position-embedding-type"),
+    (["--normalization", "BatchNorm"], "--normalization"),
+    (["--swiglu", "--hidden-size", "16", "--num-attention-heads", "4"], "--ffn-hidden-size"),
+    (["--swiglu", "--squared-relu"], "--squared-relu"),
+    (["--norm-epsilon", "0"], "--norm-epsilon"),
 ]
 
 
@@ -144,6 +163,26 @@ def test_flags_map_onto_config_sections():
     assert not cfg.model.share_embeddings_and_output_weights
     assert cfg.checkpoint.save == "ck" and cfg.checkpoint.load_optim is False
     assert cfg.train.exit_interval == 9
+
+
+def test_llama_flags_map_onto_the_model_config():
+    import torch.nn.functional as F
+
+    cfg = parse_args(
+        "--hidden-size 256 --num-attention-heads 8 --position-embedding-type rope --rotary-base 500000 "
+        "--rotary-percent 0.5 --rotary-interleaved --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
+        "--group-query-attention --num-query-groups 2 --disable-bias-linear --add-qkv-bias "
+        "--untie-embeddings-and-output-weights --make-vocab-size-divisible-by 64 --vocab-size 1000".split()
+    )
+    m = cfg.model
+    assert (m.position_embedding_type, m.rotary_base, m.rotary_percent) == ("rope", 500000, 0.5)
+    assert m.rotary_interleaved and m.normalization == "RMSNorm" and m.layernorm_epsilon == 1e-6
+    assert m.gated_linear_unit and m.activation_func is F.silu
+    assert m.ffn_hidden_size == 640  # upstream's SwiGLU default: int(4 h 2/3 / 64) 64
+    assert m.num_query_groups == 2 and not m.add_bias_linear and m.add_qkv_bias
+    assert not m.share_embeddings_and_output_weights and m.padded_vocab_size == 1024
+    assert parse_args(["--layernorm-epsilon", "1e-6"]).model.layernorm_epsilon == 1e-6
+    assert parse_args(["--num-attention-heads", "8"]).model.num_query_groups == 8  # one group per head
 
 
 def test_memory_flag_without_dir_gets_a_default_dir(tmp_path):

@@ -262,3 +262,20 @@ def test_resume_with_dropout_is_bitwise_identical(tmp_path):
     ok(run_pretrain([*dropout, "--save", "c", "--exit-interval", "4"], tmp_path))
     resumed = ok(run_pretrain([*dropout, "--load", "c"], tmp_path))
     assert {it: loss_lines(straight.stdout)[it] for it in range(5, 9)} == loss_lines(resumed.stdout)
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (
+            ["--normalization", "RMSNorm"],
+            "normalization='LayerNorm' but --normalization gives normalization='RMSNorm'",
+        ),
+        (["--swiglu", "--ffn-hidden-size", "256"], "gated_linear_unit=False but --swiglu"),
+        (["--position-embedding-type", "rope"], "position_embedding_type='learned_absolute'"),
+        (["--group-query-attention", "--num-query-groups", "2"], "num_query_groups=4 but --num-query-groups"),
+        (["--untie-embeddings-and-output-weights"], "share_embeddings_and_output_weights=True"),
+    ],
+)
+def test_other_architecture_is_refused_naming_the_difference(saved_pp2, flags, needle):
+    _refused(saved_pp2, ["--pipeline-model-parallel-size", "2", *flags], needle)

@@ -57,3 +57,40 @@ def test_bf16_trains_with_fp32_masters_close_to_fp32(tmp_path, reference):
     assert bf16[ITERS] < bf16[1]
     for it in range(1, ITERS + 1):
         assert abs(bf16[it] - reference[it]) <= 2e-2 * reference[it]
+
+
+# Llama-shaped: rotary positions, RMSNorm, SwiGLU, two key/value groups for four heads, untied, no biases.
+LLAMA = (
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --ffn-hidden-size 96 "
+    "--group-query-attention --num-query-groups 2 --untie-embeddings-and-output-weights "
+    "--disable-bias-linear"
+).split()
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory):
+    return _losses(tmp_path_factory.mktemp("llama_ref"), 1, 1, 1, LLAMA)
+
+
+@pytest.mark.parametrize(
+    "tp,pp,dp,cp", [(2, 1, 1, 1), (1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 1, 2), (1, 1, 2, 1)]
+)
+def test_llama_shaped_loss_matches_single_process(tmp_path, llama_reference, tp, pp, dp, cp):
+    losses = _losses(tmp_path, tp, pp, dp, LLAMA, cp=cp)
+    for it in range(1, ITERS + 1):
+        ref = llama_reference[it]
+        assert abs(losses[it] - ref) <= 5e-4 * abs(ref), (it, losses[it], ref)
+    assert losses[ITERS] < losses[1]
+
+
+def test_llama_shaped_loss_differs_from_gpt2_shaped(llama_reference, reference):
+    """The flags change the model: the same seed and data give another loss curve."""
+    assert abs(llama_reference[ITERS] - reference[ITERS]) > 1e-3
+
+
+def test_llama_shaped_with_dropout_trains_under_tp_and_cp(tmp_path, llama_reference):
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    losses = _losses(tmp_path, 2, 1, 1, [*LLAMA, *dropout], cp=2)
+    assert all(loss == loss for loss in losses.values())  # no NaN
+    assert losses[ITERS] < losses[1]
+    assert losses != llama_reference  # the masks did act

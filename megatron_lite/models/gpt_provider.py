@@ -17,7 +17,8 @@ from megatron_lite.core.transformer.transformer_config import TransformerConfig
 
 @dataclass(kw_only=True)
 class GPTModelProvider(TransformerConfig):
-    """GPT with learned absolute positions, pre-LayerNorm blocks and a GELU MLP."""
+    """A decoder-only GPT: GPT-2-shaped by default (learned positions, LayerNorm, GELU), Llama-shaped
+    with rotary positions, RMSNorm, a gated SiLU MLP and grouped-query attention."""
 
     vocab_size: int = 1024
     """Vocabulary size before padding."""
@@ -27,12 +28,18 @@ class GPTModelProvider(TransformerConfig):
     """Training sequence length."""
     max_position_embeddings: int | None = None
     """Rows of the position-embedding table; None means seq_length."""
+    position_embedding_type: str = "learned_absolute"
+    """Positions: ``learned_absolute`` (a table on the first stage), ``rope`` (rotary) or ``none``."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that are rotated (rotary embeddings)."""
+    rotary_base: int = 10000
+    """Base of the rotary frequencies."""
+    seq_len_interpolation_factor: float | None = None
+    """Divide rotary positions by this factor (linear position interpolation); None for none."""
     apply_rope_fusion: bool = False
-    """Fused rotary embeddings (RoPE is not supported yet: False)."""
+    """Fused rotary embeddings (a CUDA kernel; not supported: False)."""
     calculate_per_token_loss: bool = False
     """Scale gradients by the token count instead of the microbatch count (not supported yet: False)."""
-    num_query_groups: int | None = None
-    """Key/value head groups (grouped-query attention is not supported yet: None or num_attention_heads)."""
     share_embeddings_and_output_weights: bool = True
     """Tie the output layer to the word embedding."""
     deallocate_pipeline_outputs: bool = True
@@ -66,6 +73,10 @@ class GPTModelProvider(TransformerConfig):
             self,
             self.padded_vocab_size,
             self.max_position_embeddings or self.seq_length,
+            position_embedding_type=self.position_embedding_type,
+            rotary_percent=self.rotary_percent,
+            rotary_base=self.rotary_base,
+            seq_len_interpolation_factor=self.seq_len_interpolation_factor,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,

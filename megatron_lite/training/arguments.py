@@ -14,10 +14,14 @@ import sys
 import time
 import warnings
 
+import torch.nn.functional as F
+
+from megatron_lite.core.activations import squared_relu
 from megatron_lite.training.config import ConfigContainer, ConfigError
 from megatron_lite.training.config_sections import ProfilingConfig
 
-# (flag, section, field, type, help). type is a callable, "store_true" or "store_false".
+# (flag, section, field, type, help). type is a callable, "store_true" or "store_false"; a field of
+# None marks a flag that config_from_args maps itself (it sets other fields).
 FLAGS: list[tuple[str, str, str, object, str]] = [
     # Model
     ("--num-layers", "model", "num_layers", int, "Transformer layers."),
@@ -36,7 +40,43 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "Vocab padding multiple.",
     ),
     ("--init-method-std", "model", "init_method_std", float, "Std of the normal weight init."),
-    ("--norm-epsilon", "model", "layernorm_epsilon", float, "LayerNorm epsilon."),
+    ("--norm-epsilon", "model", "layernorm_epsilon", float, "Epsilon of LayerNorm / RMSNorm."),
+    ("--layernorm-epsilon", "model", "layernorm_epsilon", float, "Older name of --norm-epsilon."),
+    ("--normalization", "model", "normalization", str, "LayerNorm or RMSNorm."),
+    (
+        "--position-embedding-type",
+        "model",
+        "position_embedding_type",
+        str,
+        "learned_absolute, rope or none.",
+    ),
+    ("--rotary-percent", "model", "rotary_percent", float, "Fraction of head channels rotated."),
+    ("--rotary-base", "model", "rotary_base", int, "Base of the rotary frequencies."),
+    (
+        "--rotary-interleaved",
+        "model",
+        "rotary_interleaved",
+        "store_true",
+        "Rotate adjacent channel pairs, not halves.",
+    ),
+    (
+        "--rotary-seq-len-interpolation-factor",
+        "model",
+        "seq_len_interpolation_factor",
+        int,
+        "Divide rotary positions by this factor.",
+    ),
+    ("--swiglu", "model", "gated_linear_unit", "store_true", "Gated SiLU MLP (SwiGLU)."),
+    ("--squared-relu", "model", None, "store_true", "relu(x)^2 activation."),
+    (
+        "--group-query-attention",
+        "model",
+        None,
+        "store_true",
+        "Grouped-query attention (with --num-query-groups).",
+    ),
+    ("--num-query-groups", "model", "num_query_groups", int, "Key/value head groups."),
+    ("--add-qkv-bias", "model", "add_qkv_bias", "store_true", "QKV bias even with --disable-bias-linear."),
     ("--hidden-dropout", "model", "hidden_dropout", float, "Dropout before each residual add."),
     ("--attention-dropout", "model", "attention_dropout", float, "Dropout on attention probabilities."),
     (
@@ -203,9 +243,6 @@ UNSUPPORTED_FLAGS: dict[str, object] = {
     "--num-experts": int,
     "--recompute-granularity": str,
     "--recompute-activations": "store_true",
-    "--swiglu": "store_true",
-    "--position-embedding-type": str,
-    "--normalization": str,
     "--use-flash-attn": "store_true",
     "--overlap-grad-reduce": "store_true",
     "--overlap-param-gather": "store_true",
@@ -288,10 +325,11 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
     config = ConfigContainer()
     for flag, section, name, _kind, _help in FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
+        if value is not None and name is not None:
             setattr(getattr(config, section), name, value)
     config.profiling = _profiling_from_args(args)
     t, m = config.train, config.model
+    _architecture_from_args(args, m)
     if args.train_samples is not None and args.train_iters is None:
         t.train_iters = None  # the demo's default length gives way to --train-samples
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # as pretrain.py decides
@@ -299,7 +337,8 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
         # pretrain.py launches the workers itself: by default one per model-parallel rank.
         config.dist.nproc_per_node = config.model_parallel_size
     if args.ffn_hidden_size is None:
-        m.ffn_hidden_size = 4 * m.hidden_size
+        # SwiGLU's two input matrices: 2/3 of 4 h keeps the MLP's parameters, rounded down to 64 (upstream).
+        m.ffn_hidden_size = int(4 * m.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * m.hidden_size
     if args.kv_channels is None:
         m.kv_channels = m.hidden_size // max(m.num_attention_heads, 1)
     if args.max_position_embeddings is None:
@@ -315,6 +354,20 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
         # A TensorBoard flag without a directory still logs, somewhere the user is told about.
         lg.tensorboard_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"), "tensorboard")
     return config
+
+
+def _architecture_from_args(args: argparse.Namespace, m) -> None:
+    """The flags that set more than one model field: activations and grouped-query attention."""
+    if args.swiglu:
+        m.activation_func = F.silu
+    if args.squared_relu:
+        if args.swiglu:
+            raise ConfigError("--squared-relu", "cannot be combined with --swiglu; choose one activation")
+        m.activation_func = squared_relu
+    if args.group_query_attention and args.num_query_groups is None:
+        raise ConfigError("--group-query-attention", "needs --num-query-groups G")
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ConfigError("--num-query-groups", "needs --group-query-attention (upstream ignores it without)")
 
 
 def _profiling_from_args(args: argparse.Namespace) -> ProfilingConfig | None:

@@ -33,8 +33,6 @@ def check_supported(cfg) -> None:
             "--expert-model-parallel-size": getattr(m, "expert_model_parallel_size", 1) != 1,
             "--apply-rope-fusion": getattr(m, "apply_rope_fusion", False),
             "--calculate-per-token-loss": getattr(m, "calculate_per_token_loss", False),
-            "--group-query-attention": getattr(m, "num_query_groups", None)
-            not in (None, m.num_attention_heads),
             "--use-distributed-optimizer": o.use_distributed_optimizer or d.use_distributed_optimizer,
             "--overlap-param-gather": o.overlap_param_gather or d.overlap_param_gather,
             "--overlap-grad-reduce": d.overlap_grad_reduce,

@@ -1,10 +1,12 @@
-"""Causal self-attention with heads split across tensor-parallel ranks (and sequence across CP ranks)."""
+"""Causal self-attention with query groups split across tensor-parallel ranks (and the sequence
+across CP ranks), optionally rotary-embedded and grouped-query (GQA)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from megatron_lite.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.core.tensor_parallel.utils import divide
 from megatron_lite.core.transformer.dot_product_attention import DotProductAttention
@@ -12,8 +14,13 @@ from megatron_lite.core.transformer.transformer_config import TransformerConfig
 
 
 class SelfAttention(nn.Module):
-    """QKV projection (column parallel, head-major layout so each rank owns whole heads), causal
-    scaled-dot-product attention, output projection (row parallel). Input and output are [s, b, h]."""
+    """QKV projection (column parallel), causal scaled-dot-product attention, output projection (row
+    parallel). Input and output are [s, b, h].
+
+    The QKV output is laid out group-major as upstream: for each of the ``num_query_groups`` key/value
+    groups, its ``heads / groups`` query heads, then its key head, then its value head. Splitting that
+    by output rows gives each TP rank whole groups, so groups must divide by the TP size.
+    """
 
     def __init__(
         self,
@@ -25,21 +32,26 @@ class SelfAttention(nn.Module):
         cp_group=None,
     ):
         super().__init__()
+        self.config = config
         tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        groups = config.num_query_groups or config.num_attention_heads
         self.heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.groups_per_partition = divide(groups, tp_size)
+        self.heads_per_group = divide(config.num_attention_heads, groups)
         self.core_attention = DotProductAttention(config.attention_dropout, cp_group)
         self.head_dim = config.kv_channels
-        projection = config.kv_channels * config.num_attention_heads
+        query_projection = config.kv_channels * config.num_attention_heads
+        kv_projection = config.kv_channels * groups
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
-            3 * projection,
+            query_projection + 2 * kv_projection,
             config=config,
             init_method=init_method,
-            bias=config.add_bias_linear,
+            bias=config.add_bias_linear or config.add_qkv_bias,
             tp_group=tp_group,
         )
         self.linear_proj = RowParallelLinear(
-            projection,
+            query_projection,
             config.hidden_size,
             config=config,
             init_method=output_layer_init_method,
@@ -49,13 +61,21 @@ class SelfAttention(nn.Module):
             tp_group=tp_group,
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
+    ) -> torch.Tensor:
         s, b, _ = hidden_states.shape
         mixed, _ = self.linear_qkv(hidden_states)
-        # [s, b, heads, 3, d] -> three [b, heads, s, d]
-        q, k, v = (
-            mixed.view(s, b, self.heads_per_partition, 3, self.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
-        )
+        # [s, b, groups, heads_per_group + 2, d] -> q [s, b, heads, d], k and v [s, b, groups, d]
+        mixed = mixed.view(s, b, self.groups_per_partition, self.heads_per_group + 2, self.head_dim)
+        q, k, v = mixed.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.heads_per_partition, self.head_dim)
+        k, v = k.squeeze(3), v.squeeze(3)
+        if rotary_pos_emb is not None:
+            q = apply_rotary_pos_emb(q, rotary_pos_emb, self.config)
+            k = apply_rotary_pos_emb(k, rotary_pos_emb, self.config)
+        # -> [b, heads, s, d] for the attention kernel
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         context = self.core_attention(q, k, v)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_partition * self.head_dim)
         output, _ = self.linear_proj(context)

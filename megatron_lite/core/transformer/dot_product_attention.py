@@ -45,7 +45,8 @@ class DotProductAttention(nn.Module):
         self.cp_group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v: [b, heads, s_local, d] -> [b, heads, s_local, d]."""
+        """q [b, heads, s_local, d], k and v [b, groups, s_local, d] -> [b, heads, s_local, d]. Each
+        key/value group serves ``heads / groups`` consecutive query heads (grouped-query attention)."""
         dropout_p = self.attention_dropout if self.training else 0.0
         mask, causal = None, True
         if self.cp_group is not None:
@@ -59,5 +60,11 @@ class DotProductAttention(nn.Module):
         # Each TP rank holds different heads, so their dropout masks come from the per-rank stream.
         with get_cuda_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=causal,
+                enable_gqa=k.size(1) != q.size(1),
             )

@@ -1,9 +1,8 @@
-"""The transformer MLP: column-parallel fc1, GELU, row-parallel fc2."""
+"""The transformer MLP: column-parallel fc1, the activation (gated for SwiGLU), row-parallel fc2."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -11,14 +10,23 @@ from megatron_lite.core.transformer.transformer_config import TransformerConfig
 
 
 class MLP(nn.Module):
+    """``fc2(act(fc1(x)))``, or with ``gated_linear_unit`` ``fc2(act(gate) * value)`` where fc1 makes
+    both ``ffn_hidden_size``-wide halves. Each TP rank's fc1 holds its slice of the gate followed by
+    its slice of the value (upstream's per-rank layout; stride 2 cuts the full [gate; value] master
+    that way), so the split into the two halves is local."""
+
     def __init__(self, config: TransformerConfig, *, init_method, output_layer_init_method, tp_group=None):
         super().__init__()
+        self.config = config
+        self.activation_func = config.activation_func
+        gated = config.gated_linear_unit
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
-            config.ffn_hidden_size,
+            config.ffn_hidden_size * (2 if gated else 1),
             config=config,
             init_method=init_method,
             bias=config.add_bias_linear,
+            stride=2 if gated else 1,
             tp_group=tp_group,
         )
         self.linear_fc2 = RowParallelLinear(
@@ -34,5 +42,10 @@ class MLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         intermediate, _ = self.linear_fc1(hidden_states)
-        output, _ = self.linear_fc2(F.gelu(intermediate))
+        if self.config.gated_linear_unit:
+            gate, value = intermediate.chunk(2, dim=-1)
+            intermediate = self.activation_func(gate) * value
+        else:
+            intermediate = self.activation_func(intermediate)
+        output, _ = self.linear_fc2(intermediate)
         return output

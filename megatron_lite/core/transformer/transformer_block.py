@@ -1,10 +1,11 @@
-"""The layers one pipeline stage owns, plus the final LayerNorm on the last stage."""
+"""The layers one pipeline stage owns, plus the final norm on the last stage."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from megatron_lite.core.transformer.torch_norm import WrappedTorchNorm
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 from megatron_lite.core.transformer.transformer_layer import TransformerLayer
 from megatron_lite.core.utils import seeded_init
@@ -44,15 +45,13 @@ class TransformerBlock(nn.Module):
                     )
                 )
         self.layers = nn.ModuleList(layers)
-        self.final_layernorm = (
-            nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
-            if post_process
-            else None
-        )
+        self.final_layernorm = WrappedTorchNorm(config, config.hidden_size) if post_process else None
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
+    ) -> torch.Tensor:
         for layer in self.layers:
-            hidden_states = layer(hidden_states)
+            hidden_states = layer(hidden_states, rotary_pos_emb)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.nn.functional as F
+
 from megatron_lite.core.model_parallel_config import ModelParallelConfig
 from megatron_lite.core.utils import init_method_normal, scaled_init_method_normal
 
@@ -51,14 +53,26 @@ class TransformerConfig(ModelParallelConfig):
     """Projection size per head; None means hidden_size / num_attention_heads."""
     init_method_std: float = 0.02
     """Standard deviation of the normal initialisation; output projections use std / sqrt(2 num_layers)."""
+    num_query_groups: int | None = None
+    """Key/value head groups (grouped-query attention); None means one group per head."""
+    normalization: str = "LayerNorm"
+    """Normalization layer: ``LayerNorm`` or ``RMSNorm``."""
     layernorm_epsilon: float = 1e-5
-    """LayerNorm epsilon."""
+    """Epsilon of the normalization layers (LayerNorm or RMSNorm)."""
+    gated_linear_unit: bool = False
+    """Gated MLP: fc1 produces a gate and a value half, ``act(gate) * value`` feeds fc2 (SwiGLU with silu)."""
+    activation_func: Callable = F.gelu
+    """The MLP's activation (of the gate, for gated MLPs)."""
+    rotary_interleaved: bool = False
+    """Rotate adjacent channel pairs instead of the two halves of each head (rotary embeddings)."""
     hidden_dropout: float = 0.0
     """Dropout on the attention and MLP outputs before each residual add."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities (per-TP-rank RNG stream)."""
     add_bias_linear: bool = True
     """Biases on linear layers."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection even when ``add_bias_linear`` is off (Qwen-style)."""
     init_method: Callable | None = _DefaultInit(scaled=False)
     """Initialiser of the weights feeding no residual; None means normal(0, init_method_std)."""
     output_layer_init_method: Callable | None = _DefaultInit(scaled=True)

@@ -185,29 +185,3 @@ def format_memory_line(rank: int, iteration: int, memory_report: dict) -> str:
     """Megatron's console memory line for one rank."""
     parts = "".join(f" | {name}: {value}" for name, value in memory_report.items())
     return f"[Rank {rank}] (after {iteration} iterations) memory (GB){parts}"
-
-
-def report_theoretical_memory(config, num_microbatches: int | None = None, verbose: bool = False) -> float:
-    """Print (on the calling rank) and return the weight-and-optimizer memory, in MB, that the most
-    loaded pipeline stage (the first: it also holds the embedding) needs per rank.
-
-    Counts our dense GPT's parameters, sharded over tensor-parallel ranks, at 16 bytes each (fp32
-    weight, fp32 gradient, two fp32 Adam moments), 18 with bf16 (plus the bf16 compute copy): an
-    estimate, not a measurement. Activation memory is not estimated (upstream only does so
-    with sequence parallelism and selective recompute, features we do not have yet).
-    """
-    m = config.model
-    h, ffn = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
-    per_layer = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h  # attention, MLP, two layernorms
-    layers_here = -(-m.num_layers // m.pipeline_model_parallel_size)
-    vocab = m.padded_vocab_size if hasattr(m, "padded_vocab_size") else m.vocab_size
-    params = (vocab * h + layers_here * per_layer) / m.tensor_model_parallel_size
-    bytes_per_param = 18 if getattr(m, "bf16", False) else 16
-    megabytes = params * bytes_per_param / (1024 * 1024)
-    if verbose:
-        print(
-            f"Theoretical memory footprints: weight and optimizer={megabytes:.2f} MB"
-            f" (estimate for {params:.0f} parameters per rank)",
-            flush=True,
-        )
-    return megabytes

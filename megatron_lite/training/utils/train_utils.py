@@ -39,9 +39,9 @@ from megatron_lite.training.utils.memory_utils import (
     gather_memory_across_pp_group,
     reduce_max_memory_across_pp_group,
     report_memory,
-    report_theoretical_memory,
 )
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
+from megatron_lite.training.utils.theoretical_memory_utils import report_theoretical_memory
 from megatron_lite.utils.common_utils import get_rank_safe, get_world_size_safe
 
 __all__ = [

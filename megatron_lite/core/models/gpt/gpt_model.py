@@ -6,16 +6,18 @@ import torch
 from torch import nn
 
 from megatron_lite.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron_lite.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 from megatron_lite.core.transformer.transformer_block import TransformerBlock
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-from megatron_lite.core.utils import get_pg_rank, init_method_normal, seeded_init
+from megatron_lite.core.utils import get_pg_rank, get_pg_size, init_method_normal, seeded_init
 
 
 class GPTModel(nn.Module):
     """Embedding on the first stage (``pre_process``), this stage's layers, and on the last stage
-    (``post_process``) the final LayerNorm, the output layer and the loss.
+    (``post_process``) the final norm, the output layer and the loss. With rotary positions every
+    stage computes the rotation angles of its CP rank's positions for its own layers.
 
     With tied embeddings and more than one stage, the last stage holds its own copy of the word
     embedding (``output_layer.weight``, marked ``shared_embedding``) whose gradient is all-reduced
@@ -31,6 +33,10 @@ class GPTModel(nn.Module):
         pre_process: bool = True,
         post_process: bool = True,
         share_embeddings_and_output_weights: bool = True,
+        position_embedding_type: str = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        seq_len_interpolation_factor: float | None = None,
         seed: int = 1234,
         pg_collection: ProcessGroupCollection | None = None,
         vp_stage: int | None = None,
@@ -47,21 +53,37 @@ class GPTModel(nn.Module):
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp if pg_collection is not None else None
         pp_group = pg_collection.pp if pg_collection is not None else None
+        cp_group = pg_collection.cp if pg_collection is not None else None
         pp_rank = get_pg_rank(pp_group)
         self.input_tensor: torch.Tensor | None = None
+        self.position_embedding_type = position_embedding_type
 
         if pre_process:
             with seeded_init(seed, "embedding"):
                 self.embedding = LanguageModelEmbedding(
-                    config, vocab_size, max_sequence_length, tp_group=self.tp_group
+                    config,
+                    vocab_size,
+                    max_sequence_length,
+                    position_embedding_type=position_embedding_type,
+                    tp_group=self.tp_group,
                 )
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels,
+                rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                use_cpu_initialization=config.use_cpu_initialization,
+                cp_group=cp_group,
+            )
         self.decoder = TransformerBlock(
             config,
             pp_rank=pp_rank,
             post_process=post_process,
             seed=seed,
             tp_group=self.tp_group,
-            cp_group=pg_collection.cp if pg_collection is not None else None,
+            cp_group=cp_group,
         )
         if post_process:
             tied_elsewhere = share_embeddings_and_output_weights and pre_process
@@ -103,7 +125,12 @@ class GPTModel(nn.Module):
         """Returns the hidden states [s, b, h] on a non-last stage; on the last stage the per-token
         loss [b, s] when ``labels`` are given, else the vocab-parallel logits [s, b, v/tp]."""
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
-        hidden = self.decoder(hidden)
+        rotary_pos_emb = None
+        if self.position_embedding_type == "rope":
+            cp = self.pg_collection.cp if self.pg_collection is not None else None
+            cp_size = get_pg_size(cp) if cp is not None else 1
+            rotary_pos_emb = self.rotary_pos_emb(self.rotary_pos_emb.get_rotary_seq_len(hidden, cp_size))
+        hidden = self.decoder(hidden, rotary_pos_emb)
         if not self.post_process:
             return hidden
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None

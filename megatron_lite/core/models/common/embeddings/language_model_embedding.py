@@ -1,4 +1,4 @@
-"""Word plus learned absolute position embeddings, output [s, b, h]."""
+"""Word embeddings, plus learned absolute position embeddings when the model uses them; output [s, b, h]."""
 
 from __future__ import annotations
 
@@ -22,13 +22,15 @@ class LanguageModelEmbedding(nn.Module):
         tp_group=None,
         pg_collection=None,
     ):
-        """Upstream's signature. Only learned absolute positions and no token types exist here (RoPE
-        is a later feature); ``scatter_to_sequence_parallel`` has no effect without sequence parallelism."""
+        """Upstream's signature. ``rope`` and ``none`` add no position table here (rotary embeddings
+        act inside attention); no token types; ``scatter_to_sequence_parallel`` has no effect without
+        sequence parallelism."""
         super().__init__()
-        if position_embedding_type != "learned_absolute":
+        if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise NotImplementedError(
-                f"position_embedding_type={position_embedding_type!r} is not supported yet"
+                f"position_embedding_type={position_embedding_type!r} is not supported by megatron_lite"
             )
+        self.add_position_embedding = position_embedding_type == "learned_absolute"
         if num_tokentypes:
             raise NotImplementedError("token-type embeddings are not supported by megatron_lite")
         if tp_group is None and pg_collection is not None:
@@ -38,19 +40,22 @@ class LanguageModelEmbedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             vocab_size, config.hidden_size, init_method=init, config=config, tp_group=tp_group
         )
-        # Position embeddings are small and live whole on the first stage (not split across TP).
-        self.position_embeddings = nn.Embedding(
-            max_sequence_length, config.hidden_size, dtype=config.params_dtype
-        )
-        with torch.no_grad():
-            weight = torch.empty(max_sequence_length, config.hidden_size)
-            init(weight)
-            self.position_embeddings.weight.copy_(weight)
+        if self.add_position_embedding:
+            # Position embeddings are small and live whole on the first stage (not split across TP).
+            self.position_embeddings = nn.Embedding(
+                max_sequence_length, config.hidden_size, dtype=config.params_dtype
+            )
+            with torch.no_grad():
+                weight = torch.empty(max_sequence_length, config.hidden_size)
+                init(weight)
+                self.position_embeddings.weight.copy_(weight)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, tokentype_ids=None
     ) -> torch.Tensor:
         if tokentype_ids is not None:
             raise NotImplementedError("token-type embeddings are not supported by megatron_lite")
-        embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        embeddings = self.word_embeddings(input_ids)
+        if self.add_position_embedding:
+            embeddings = embeddings + self.position_embeddings(position_ids)
         return embeddings.transpose(0, 1).contiguous()
