@@ -77,6 +77,20 @@ BAD_INPUT = [
         "--sequence-parallel",
     ),
     (["--distribute-saved-activations"], "--distribute-saved-activations"),
+    (["--virtual-pipeline-model-parallel-size", "2"], "--virtual-pipeline-model-parallel-size"),
+    (
+        "--virtual-pipeline-model-parallel-size 3 --pipeline-model-parallel-size 2 --num-layers 8".split(),
+        "--virtual-pipeline-model-parallel-size",
+    ),
+    (
+        "--num-layers-per-virtual-pipeline-stage 3 --pipeline-model-parallel-size 2 --num-layers 8".split(),
+        "--num-layers-per-virtual-pipeline-stage",
+    ),
+    (
+        "--virtual-pipeline-model-parallel-size 2 --pipeline-model-parallel-size 4 --num-layers 8 "
+        "--global-batch-size 4 --micro-batch-size 2".split(),
+        "--global-batch-size",
+    ),
 ]
 
 

@@ -67,8 +67,15 @@ def test_get_forward_backward_func_from_explicit_sizes():
     )
     interleaved = schedules.get_forward_backward_func(4, 2)
     assert interleaved is schedules.forward_backward_pipelining_with_interleaving
-    with pytest.raises(NotImplementedError, match="interleaved"):
-        interleaved(forward_step_func=None, data_iterator=None, model=None, num_microbatches=1)
+    with pytest.raises(AssertionError, match="list of model chunks"):
+        interleaved(
+            forward_step_func=None,
+            data_iterator=None,
+            model=None,
+            num_microbatches=1,
+            seq_length=8,
+            micro_batch_size=1,
+        )
     with pytest.raises(NotImplementedError, match="MIMO"):
         schedules.get_forward_backward_func(schedule_pg_collection=object())
 

@@ -37,7 +37,7 @@ class _PrecisionDtype:
 class ModelParallelConfig:
     """Parallel sizes, initialisation and precision shared by the parallel layers and schedules.
 
-    Features megatron_lite does not have yet (virtual pipeline stages, expert
+    Features megatron_lite does not have yet (expert
     parallelism) keep upstream's field so configs port, and are refused where a run is set up.
     """
 
@@ -46,7 +46,9 @@ class ModelParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel size."""
     virtual_pipeline_model_parallel_size: int | None = None
-    """Interleaved pipeline chunks per stage (not supported yet: None or 1)."""
+    """Model chunks per pipeline rank (interleaved 1F1B when > 1); None means one."""
+    microbatch_group_size_per_vp_stage: int | None = None
+    """Consecutive microbatches the interleaved schedule runs through each chunk; None means pp."""
     pipeline_model_parallel_comm_backend: str | None = None
     """Backend of the pipeline group; None means the default backend."""
     context_parallel_size: int = 1

@@ -60,8 +60,6 @@ class GPTModelProvider(TransformerConfig):
         """This rank's stage of the GPT. ``pre_process`` (embedding) and ``post_process`` (output layer
         and loss) default to whether this is the first / last pipeline stage of the provider's groups."""
         vp_size = getattr(self, "virtual_pipeline_model_parallel_size", None)
-        if vp_size is not None and vp_size > 1:
-            raise NotImplementedError("virtual pipeline stages (interleaving) are not supported yet")
         pg_collection = self._pg_collection
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()

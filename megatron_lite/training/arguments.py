@@ -129,7 +129,21 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "model",
         "virtual_pipeline_model_parallel_size",
         int,
-        "Interleaved pipeline chunks (not supported yet).",
+        "Model chunks per pipeline rank (interleaved 1F1B).",
+    ),
+    (
+        "--num-layers-per-virtual-pipeline-stage",
+        "model",
+        None,
+        int,
+        "Layers per model chunk (sets --virtual-pipeline-model-parallel-size).",
+    ),
+    (
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        "model",
+        "microbatch_group_size_per_vp_stage",
+        int,
+        "Consecutive microbatches per chunk (default: pp).",
     ),
     # Training
     (
@@ -257,7 +271,6 @@ UNSUPPORTED_FLAGS: dict[str, object] = {
     "--split": str,
     "--tokenizer-type": str,
     "--use-distributed-optimizer": "store_true",
-    "--num-layers-per-virtual-pipeline-stage": int,
     "--expert-model-parallel-size": int,
     "--num-experts": int,
     "--use-flash-attn": "store_true",
@@ -300,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         elif kind == "+":
             group.add_argument(flag, dest=dest, nargs="+", default=None, metavar="S", help=help_text)
         else:
-            default = getattr(getattr(defaults, section), name)
+            default = getattr(getattr(defaults, section), name) if name else None
             group.add_argument(
                 flag,
                 dest=dest,
@@ -376,8 +389,23 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
 
 
 def _architecture_from_args(args: argparse.Namespace, m) -> None:
-    """The flags that set more than one model field: activations, grouped-query attention, and
-    --recompute-activations (upstream's alias of --recompute-granularity selective)."""
+    """The flags that set more than one model field: activations, grouped-query attention,
+    --recompute-activations (upstream's alias of --recompute-granularity selective) and
+    --num-layers-per-virtual-pipeline-stage (which sets the virtual pipeline size, as upstream)."""
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    if per_chunk is not None:
+        if args.virtual_pipeline_model_parallel_size is not None:
+            raise ConfigError(
+                "--num-layers-per-virtual-pipeline-stage",
+                "and --virtual-pipeline-model-parallel-size set the same thing; give one",
+            )
+        pp = m.pipeline_model_parallel_size
+        if per_chunk <= 0 or m.num_layers % (pp * per_chunk):
+            raise ConfigError(
+                "--num-layers-per-virtual-pipeline-stage",
+                f"{per_chunk} does not divide the {m.num_layers} layers into chunks of every one of {pp} stages",
+            )
+        m.virtual_pipeline_model_parallel_size = m.num_layers // (pp * per_chunk)
     if args.recompute_activations:
         if m.recompute_granularity not in (None, "selective"):
             raise ConfigError("--recompute-activations", "means --recompute-granularity selective; give one")

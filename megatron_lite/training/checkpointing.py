@@ -108,6 +108,31 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _chunks(model) -> list:
+    return model if isinstance(model, list) else [model]
+
+
+def _model_state(model) -> dict:
+    """Upstream's keys: ``model`` for one chunk, ``model0``, ``model1``, ... for virtual stages."""
+    chunks = _chunks(model)
+    if len(chunks) == 1:
+        return {"model": chunks[0].state_dict()}
+    return {f"model{i}": chunk.state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _load_model_state(model, payload: dict) -> None:
+    chunks = _chunks(model)
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    missing = [k for k in keys if k not in payload]
+    if missing:
+        saved = sorted(k for k in payload if k.startswith("model"))
+        raise ValueError(
+            f"it holds {', '.join(saved)} but this run's {len(chunks)} model chunk(s) need {', '.join(keys)}"
+        )
+    for key, chunk in zip(keys, chunks):
+        chunk.load_state_dict(payload[key])
+
+
 def save_checkpoint(state, model, optimizer, scheduler, pg_collection) -> None:
     """Write this iteration's checkpoint. Collective over the world (barriers around the rename)."""
     root, iteration = state.cfg.checkpoint.save, state.train_state.step
@@ -126,7 +151,7 @@ def save_checkpoint(state, model, optimizer, scheduler, pg_collection) -> None:
         payload = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
-            "model": model.state_dict(),
+            **_model_state(model),
             "optimizer": optimizer.state_dict(),
             "opt_param_scheduler": scheduler.state_dict(),
             "train_state": state.train_state.state_dict(),
@@ -231,7 +256,7 @@ def _load_shard(root: str, iteration: int) -> dict:
         raise CheckpointError(
             f"--load {root}: cannot read {shard} ({type(err).__name__}); the file is corrupt or truncated"
         ) from None
-    if not isinstance(payload, dict) or "model" not in payload:
+    if not isinstance(payload, dict) or not any(k == "model" or k.startswith("model0") for k in payload):
         raise CheckpointError(f"--load {root}: {shard} is not a megatron_lite checkpoint")
     if _layout_differs(payload.get("parallel_layout", {}), _layout()):
         raise CheckpointError(_layout_error(root, payload.get("parallel_layout", {}), _layout()))
@@ -313,7 +338,7 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
             print(f" no checkpoint found in {cfg.load}; starting from scratch", flush=True)
         return 0
     try:
-        model.load_state_dict(payload["model"])
+        _load_model_state(model, payload)
         if not cfg.finetune:
             state.train_state.load_state_dict(payload["train_state"])
             if cfg.load_optim:

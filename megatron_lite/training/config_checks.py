@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_lite.core.pipeline_parallel.interleaved import check_interleaving
 from megatron_lite.training.config_errors import ConfigError
 
 _SUPPORTED_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -28,7 +29,6 @@ def check_supported(cfg) -> None:
     _refuse(
         {
             "--fp16": m.fp16 or o.fp16,
-            "--virtual-pipeline-model-parallel-size": m.virtual_pipeline_model_parallel_size not in (None, 1),
             "--expert-model-parallel-size": getattr(m, "expert_model_parallel_size", 1) != 1,
             "--apply-rope-fusion": getattr(m, "apply_rope_fusion", False),
             "--calculate-per-token-loss": getattr(m, "calculate_per_token_loss", False),
@@ -208,6 +208,11 @@ def check_divisibility(cfg) -> None:
         raise ConfigError(
             "--ffn-hidden-size", f"{m.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}"
         )
+    vp = m.virtual_pipeline_model_parallel_size or 1
+    if vp < 1:
+        raise ConfigError("--virtual-pipeline-model-parallel-size", f"must be a positive integer, got {vp}")
+    if vp > 1:
+        _check_interleaving(cfg, pp, vp)
     per_step = t.micro_batch_size * cfg.data_parallel_size
     if t.global_batch_size % per_step:
         raise ConfigError(
@@ -215,6 +220,24 @@ def check_divisibility(cfg) -> None:
             f"{t.global_batch_size} is not divisible by --micro-batch-size x data-parallel size = "
             f"{t.micro_batch_size} x {cfg.data_parallel_size}",
         )
+
+
+def _check_interleaving(cfg, pp: int, vp: int) -> None:
+    m = cfg.model
+    flag = "--virtual-pipeline-model-parallel-size"
+    if pp == 1:
+        raise ConfigError(flag, "needs --pipeline-model-parallel-size > 1")
+    if m.num_layers % (pp * vp):
+        raise ConfigError(
+            flag,
+            f"{vp} chunks on each of {pp} stages do not split {m.num_layers} layers evenly; use a multiple of {pp * vp}",
+        )
+    group = m.microbatch_group_size_per_vp_stage or pp
+    microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.data_parallel_size)
+    try:
+        check_interleaving(microbatches, pp, group)
+    except ValueError as err:
+        raise ConfigError("--global-batch-size", f"interleaved 1F1B: {err}") from None
 
 
 def check_logger(cfg) -> None:

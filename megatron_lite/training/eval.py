@@ -21,10 +21,15 @@ def evaluate(
 ) -> dict[str, float]:
     """Forward-only over eval_iters global batches; returns the loss averaged over them and DP ranks.
     Collective over the pipeline and data-parallel groups."""
-    forward_backward = get_forward_backward_func(config.model.pipeline_model_parallel_size)
+    m = config.model
+    forward_backward = get_forward_backward_func(
+        m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
+    )
+    chunks = model if isinstance(model, list) else [model]
     forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
     totals: dict[str, torch.Tensor] = {}
-    model.eval()  # no dropout while validating
+    for chunk in chunks:
+        chunk.eval()  # no dropout while validating
     with torch.no_grad():
         v = config.validation  # eval batch sizes: resolved from train's by ConfigContainer.validate
         eval_mbs = v.eval_micro_batch_size or config.train.micro_batch_size
@@ -42,7 +47,8 @@ def evaluate(
             )
             global_state.train_state.consumed_valid_samples += eval_gbs
             accumulate_loss_reports(totals, losses)
-    model.train()
+    for chunk in chunks:
+        chunk.train()
     if not parallel_state.is_pipeline_last_stage():
         return {}
     return {k: v.item() for k, v in reduce_loss_reports(totals, pg_collection.dp_cp).items()}

@@ -54,6 +54,9 @@ def initialize_megatron(config: ConfigContainer) -> ProcessGroupCollection:
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         context_parallel_size=m.context_parallel_size,
+        virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size
+        if (m.virtual_pipeline_model_parallel_size or 1) > 1
+        else None,
         distributed_timeout_minutes=config.dist.distributed_timeout_minutes,
     )
     # As Megatron: dropout streams differ per pipeline stage (and per TP rank inside the TP region).

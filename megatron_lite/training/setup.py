@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -23,7 +24,8 @@ from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 @dataclass
 class SetupOutput:
     state: GlobalState
-    model: DistributedDataParallel
+    model: list[DistributedDataParallel]
+    """This rank's model chunks (one, or ``vp`` with virtual pipeline stages), as upstream."""
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
     train_data_iterator: object
@@ -82,6 +84,14 @@ def build_data_iterators(config: ConfigContainer, state: GlobalState, pg_collect
     return train, valid
 
 
+@contextlib.contextmanager
+def _no_sync_all(model):
+    with contextlib.ExitStack() as stack:
+        for chunk in model:
+            stack.enter_context(chunk.no_sync())
+        yield
+
+
 def setup(state: GlobalState) -> SetupOutput:
     """Collective over the world (group creation, checkpoint load)."""
     config = state.cfg
@@ -89,22 +99,32 @@ def setup(state: GlobalState) -> SetupOutput:
     model_config = config.model
     model_config._pg_collection = pg_collection
     model_config.init_seed = config.rng.seed
-    module = model_config.provide()  # this stage's part: first / last stage decided from the pp group
-    # Weights are drawn on the CPU (layout-independent init), then live where the collectives run.
-    module.to(get_collective_device())
-    # Context-parallel ranks hold the same weights and see different tokens: average over both.
-    model = DistributedDataParallel(model_config, module, dp_group=pg_collection.dp_cp)
+    vp = model_config.virtual_pipeline_model_parallel_size
+    model = []
+    for vp_stage in range(vp) if vp and vp > 1 else [None]:
+        # This stage's part: first / last stage (and chunk) decided from the pp group and vp_stage.
+        module = model_config.provide(vp_stage=vp_stage)
+        # Weights are drawn on the CPU (layout-independent init), then live where the collectives run.
+        module.to(get_collective_device())
+        # Context-parallel ranks hold the same weights and see different tokens: average over both.
+        model.append(DistributedDataParallel(model_config, module, dp_group=pg_collection.dp_cp))
+        ACTIVATION_MEMORY.exclude_parameters(module.parameters())
     # The schedules call these: no_sync around all but the last microbatch, finalize after it.
-    model_config.no_sync_func = model.no_sync
+    model_config.no_sync_func = partial(_no_sync_all, model)
     model_config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg_collection)
-    ACTIVATION_MEMORY.exclude_parameters(module.parameters())
 
     optimizer = MegatronOptimizer(
-        config.optimizer, [model], model_parallel_group=pg_collection.mp, tp_group=pg_collection.tp
+        config.optimizer, model, model_parallel_group=pg_collection.mp, tp_group=pg_collection.tp
     )
     scheduler = get_optimizer_param_scheduler(config, optimizer)
     if config.checkpoint.load:
         checkpointing.load_checkpoint(state, model, optimizer, scheduler, pg_collection)
     state.start_loggers()  # after loading: TensorBoard purges steps past the resumed iteration
-    train_iter, valid_iter = build_data_iterators(config, state, pg_collection)
+    if len(model) == 1:
+        train_iter, valid_iter = build_data_iterators(config, state, pg_collection)
+    else:
+        # One iterator per chunk, each over the same samples: every chunk reads each microbatch once.
+        iterators = [build_data_iterators(config, state, pg_collection) for _ in model]
+        train_iter = [train for train, _ in iterators]
+        valid_iter = [valid for _, valid in iterators] if iterators[0][1] is not None else None
     return SetupOutput(state, model, optimizer, scheduler, train_iter, valid_iter, pg_collection)

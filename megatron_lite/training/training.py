@@ -46,9 +46,13 @@ def train_step(
     pg_collection,
 ):
     """One global batch: forward/backward over all microbatches, then one optimizer step."""
-    model.zero_grad_buffer()
+    for chunk in model:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    forward_backward = get_forward_backward_func(config.model.pipeline_model_parallel_size)
+    m = config.model
+    forward_backward = get_forward_backward_func(
+        m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
+    )
     timers("forward-backward", log_level=1).start()
     with ACTIVATION_MEMORY.track():
         losses = forward_backward(
@@ -168,7 +172,7 @@ def train(forward_step_func, setup_output) -> None:
                 config,
                 state,
                 history_wct,
-                [s.model],
+                s.model,
                 pg_collection=s.pg_collection,
                 loaded_iteration=loaded_iteration,
                 memory_report=memory_report,

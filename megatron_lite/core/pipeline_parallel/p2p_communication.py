@@ -90,13 +90,16 @@ class P2PCommunicator:
 
         from_prev = empty() if recv_prev else None
         from_next = empty() if recv_next else None
+        # Activations (to next, from prev) before gradients (to prev, from next): with two stages the
+        # previous and next rank are the same peer, and messages between a pair match in posting
+        # order, so both ranks must post the two directions in the same order.
         ops = []
-        if tensor_send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, tensor_send_prev.contiguous(), self.prev_rank, self.pp_group))
-        if from_prev is not None:
-            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.pp_group))
         if tensor_send_next is not None:
             ops.append(dist.P2POp(dist.isend, tensor_send_next.contiguous(), self.next_rank, self.pp_group))
+        if from_prev is not None:
+            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.pp_group))
+        if tensor_send_prev is not None:
+            ops.append(dist.P2POp(dist.isend, tensor_send_prev.contiguous(), self.prev_rank, self.pp_group))
         if from_next is not None:
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.pp_group))
         if ops:
@@ -167,3 +170,36 @@ class P2PCommunicator:
                 for g, s in zip(grads, shapes)
             ]
         return inputs[0] if single else inputs
+
+    # The interleaved schedule's calls: explicit receive flags, since with virtual stages the first
+    # and last pipeline ranks also exchange with each other (the ring wraps around).
+
+    def send_forward_recv_forward(self, output_tensor, recv_prev: bool, tensor_shape, overlap_p2p_comm=False):
+        """Send ``output_tensor`` (if any) to the next rank and, if ``recv_prev``, receive from the previous."""
+        if overlap_p2p_comm:
+            raise NotImplementedError("overlap_p2p_comm is not supported by megatron_lite")
+        send = None if output_tensor is None else output_tensor.detach()
+        return self._communicate(tensor_send_next=send, recv_prev=recv_prev, tensor_shape=tensor_shape)[0]
+
+    def send_backward_recv_backward(
+        self, input_tensor_grad, recv_next: bool, tensor_shape, overlap_p2p_comm=False
+    ):
+        """Send ``input_tensor_grad`` (if any) to the previous rank and, if ``recv_next``, receive from the next."""
+        if overlap_p2p_comm:
+            raise NotImplementedError("overlap_p2p_comm is not supported by megatron_lite")
+        return self._communicate(
+            tensor_send_prev=input_tensor_grad, recv_next=recv_next, tensor_shape=tensor_shape
+        )[1]
+
+    def send_forward_backward_recv_forward_backward(
+        self, output_tensor, input_tensor_grad, recv_prev: bool, recv_next: bool, tensor_shape
+    ):
+        """Both directions in one batched exchange; returns (input from previous, output grad from next)."""
+        send = None if output_tensor is None else output_tensor.detach()
+        return self._communicate(
+            tensor_send_next=send,
+            tensor_send_prev=input_tensor_grad,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+        )

@@ -1,11 +1,11 @@
-"""Forward-backward schedules: no pipelining, and 1F1B (pipelining without interleaving).
+"""Forward-backward schedules: no pipelining, 1F1B, and interleaved 1F1B (virtual pipeline stages).
 
 The entry points take Megatron core's keyword arguments. ``model`` (and ``data_iterator``) may be a
 single module or a one-element list of chunks. A schedule runs every microbatch of one global-batch
 step through ``forward_step_func`` and back and returns the ``forward_data_store``: the last stage's
 per-microbatch loss dicts (or collected outputs), [] elsewhere. It then calls the model config's
 ``finalize_model_grads_func`` (data-parallel and embedding gradient all-reduce) when one is set.
-Interleaved (virtual) pipelining is not implemented yet: it is refused with a clear error.
+The interleaved schedule takes a list of chunks and a list of iterators, one per chunk.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import contextlib
 import torch
 from torch.autograd import Variable
 
+from megatron_lite.core.pipeline_parallel.interleaved import forward_backward_pipelining_with_interleaving
 from megatron_lite.core.pipeline_parallel.one_f_one_b import forward_backward_pipelining_without_interleaving
 from megatron_lite.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
@@ -26,7 +27,7 @@ def get_forward_backward_func(
 ):
     """The schedule for ``pp_size`` stages and ``vp_size`` virtual stages (both from parallel_state
     when neither is given): 1F1B when there is more than one stage, else the plain microbatch loop.
-    A virtual pipeline selects the interleaved schedule, which refuses to run (not implemented)."""
+    More than one virtual stage selects the interleaved schedule."""
     if schedule_pg_collection is not None:
         raise NotImplementedError("multi-module (MIMO) pipelines are not supported")
     if pp_size is None and vp_size is None:
@@ -35,17 +36,10 @@ def get_forward_backward_func(
         pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if pp_size > 1:
-        if vp_size is not None:
+        if vp_size is not None and vp_size > 1:
             return forward_backward_pipelining_with_interleaving
         return forward_backward_pipelining_without_interleaving
     return forward_backward_no_pipelining
-
-
-def forward_backward_pipelining_with_interleaving(**kwargs):
-    """Interleaved 1F1B over virtual pipeline chunks: a later feature, refused here."""
-    raise NotImplementedError(
-        "interleaved pipeline parallelism (virtual_pipeline_model_parallel_size) is not supported yet"
-    )
 
 
 def deallocate_output_tensor(out, deallocate_pipeline_outputs: bool = False) -> None:

@@ -12,10 +12,15 @@ from megatron_lite.core.transformer.transformer_layer import TransformerLayer
 from megatron_lite.core.utils import seeded_init
 
 
-def get_num_layers_to_build(config: TransformerConfig, pp_rank: int) -> tuple[int, int]:
-    """(number of layers on stage ``pp_rank``, global index of its first layer)."""
-    per_stage = config.num_layers // config.pipeline_model_parallel_size
-    return per_stage, pp_rank * per_stage
+def get_num_layers_to_build(
+    config: TransformerConfig, pp_rank: int, vp_stage: int | None = None
+) -> tuple[int, int]:
+    """(number of layers in chunk ``vp_stage`` of stage ``pp_rank``, global index of its first layer).
+    With ``vp`` virtual stages, chunk ``c`` of rank ``r`` holds the ``(c pp + r)``-th run of
+    ``layers / (pp vp)`` layers, Megatron's assignment."""
+    vp = config.virtual_pipeline_model_parallel_size or 1
+    per_chunk = config.num_layers // (config.pipeline_model_parallel_size * vp)
+    return per_chunk, ((vp_stage or 0) * config.pipeline_model_parallel_size + pp_rank) * per_chunk
 
 
 class TransformerBlock(nn.Module):
@@ -24,6 +29,7 @@ class TransformerBlock(nn.Module):
         config: TransformerConfig,
         *,
         pp_rank: int = 0,
+        vp_stage: int | None = None,
         post_process: bool = True,
         seed: int = 1234,
         tp_group=None,
@@ -31,7 +37,7 @@ class TransformerBlock(nn.Module):
     ):
         super().__init__()
         self.config = config
-        num_layers, offset = get_num_layers_to_build(config, pp_rank)
+        num_layers, offset = get_num_layers_to_build(config, pp_rank, vp_stage)
         init, scaled = config.init_method, config.output_layer_init_method
         layers = []
         for i in range(offset, offset + num_layers):

@@ -42,8 +42,6 @@ class GPTModel(nn.Module):
         vp_stage: int | None = None,
     ):
         super().__init__()
-        # Virtual pipeline chunks (interleaving) are a later feature: only chunk 0 exists.
-        assert vp_stage in (None, 0), f"vp_stage {vp_stage}: virtual pipeline stages are not supported yet"
         self.vp_stage = vp_stage
         self.config = config
         self.pre_process, self.post_process = pre_process, post_process
@@ -80,6 +78,7 @@ class GPTModel(nn.Module):
         self.decoder = TransformerBlock(
             config,
             pp_rank=pp_rank,
+            vp_stage=vp_stage,
             post_process=post_process,
             seed=seed,
             tp_group=self.tp_group,

@@ -1,0 +1,255 @@
+"""Megatron's interleaved 1F1B schedule (virtual pipeline stages), re-exported by ``schedules``.
+
+Each pipeline rank holds ``vp`` model chunks; a microbatch goes through chunk 0 of every rank, then
+chunk 1 of every rank, and so on, the last rank passing each chunk's output back to the first rank
+(the ring). Work is ordered by "virtual microbatches": upstream's schedule table takes groups of
+``microbatch_group_size_per_vp_stage`` (default pp) microbatches through every chunk in turn. Rank
+``r`` runs ``(pp - r - 1) * 2 + (vp - 1) * group`` warmup forwards (capped at the total), then
+alternates one forward with one backward, then drains the backwards. Every step is one batched
+exchange with the neighbours; the receiving rank files what arrives under the chunk that will use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megatron_lite.core.pipeline_parallel.one_f_one_b import _groups
+from megatron_lite.core.utils import get_collective_device, get_model_config
+
+
+def get_pp_rank_microbatches(
+    num_microbatches: int, num_model_chunks: int, microbatch_group_size_per_vp_stage: int, pp_size: int,
+    pp_rank: int, forward_only: bool = False,
+) -> tuple[int, bool, int, int]:  # fmt: skip
+    """(total virtual microbatches, whether all are warmup, warmup count, remaining count)."""
+    total = num_microbatches * num_model_chunks
+    if forward_only:
+        warmup = total
+    else:
+        warmup = (pp_size - pp_rank - 1) * 2 + (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
+    all_warmup = warmup >= total
+    warmup = min(warmup, total)
+    return total, all_warmup, warmup, total - warmup
+
+
+def get_schedule_table(num_microbatches: int, num_model_chunks: int, group: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of every virtual microbatch in forward order: each group of ``group``
+    microbatches through chunk 0, then chunk 1, ...; the last group takes whatever remains."""
+    table = []
+    for start in range(0, num_microbatches, group):
+        end = num_microbatches if start + group >= num_microbatches else start + group
+        table.extend((mb, chunk) for chunk in range(num_model_chunks) for mb in range(start, end))
+    return table
+
+
+def in_flight_microbatch_chunks(
+    num_microbatches: int, num_model_chunks: int, pp_size: int, pp_rank: int, group: int | None = None
+) -> list[list[int]]:
+    """For each forward this rank runs, how many microbatches of each chunk hold activations right after
+    it (forwards done minus backwards done, per chunk), following the schedule step by step: the
+    schedule's own account of what a rank keeps in flight (``vp = 1`` gives plain 1F1B's ``pp - r``)."""
+    group = group or pp_size
+    total, _, warmup, remaining = get_pp_rank_microbatches(
+        num_microbatches, num_model_chunks, group, pp_size, pp_rank
+    )
+    if num_model_chunks == 1:
+        warmup = min(pp_size - pp_rank - 1, num_microbatches)
+        remaining = num_microbatches - warmup
+    table = get_schedule_table(num_microbatches, num_model_chunks, group)
+    counts, timeline = [0] * num_model_chunks, []
+    for k in range(warmup + remaining):
+        counts[table[k][1]] += 1
+        timeline.append(list(counts))
+        if k >= warmup:  # steady state: each forward is followed by the backward of step k - warmup
+            counts[num_model_chunks - 1 - table[k - warmup][1]] -= 1
+    return timeline
+
+
+def check_interleaving(num_microbatches: int, pp_size: int, group: int) -> None:
+    """Upstream's conditions on the microbatch count; ValueError otherwise."""
+    if not pp_size <= group <= num_microbatches:
+        raise ValueError(
+            f"microbatches per virtual-stage group ({group}) must be between the pipeline size "
+            f"({pp_size}) and the number of microbatches ({num_microbatches})"
+        )
+    remainder = num_microbatches % group
+    if 0 < remainder < pp_size:
+        raise ValueError(
+            f"{num_microbatches} microbatches leave a last group of {remainder}, fewer than the "
+            f"pipeline size {pp_size} (a bubble the schedule cannot fill)"
+        )
+
+
+def forward_backward_pipelining_with_interleaving(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: bool | None = False,
+):
+    """Run interleaved 1F1B over this rank's model chunks (``model`` and ``data_iterator`` are lists,
+    one per chunk). Collective over the pipeline group and, through ``finalize_model_grads_func``, the
+    gradient groups."""
+    from megatron_lite.core.pipeline_parallel import schedules as s
+
+    assert isinstance(model, list) and len(model) > 1, "interleaving needs a list of model chunks"
+    assert isinstance(data_iterator, list), "interleaving needs one data iterator per model chunk"
+    assert adjust_tensor_shapes_fn is None, "adjust_tensor_shapes_fn is not supported with interleaving"
+    config = get_model_config(model[0])
+    if getattr(config, "overlap_p2p_comm", False):
+        raise NotImplementedError("overlap_p2p_comm is not supported by megatron_lite")
+    p2p, pg_collection = _groups(config, p2p_communicator, pg_collection)
+    pp, rank = p2p.total_stages, p2p.current_stage
+    first, last = p2p.is_pp_first_stage, p2p.is_pp_last_stage
+    chunks = len(model)
+    group = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp
+    check_interleaving(num_microbatches, pp, group)
+    (shape,) = s.get_tensor_shapes(
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        config=config,
+        tp_group=pg_collection.tp,
+        cp_group=pg_collection.cp,
+    )
+    total, all_warmup, num_warmup, num_remaining = get_pp_rank_microbatches(
+        num_microbatches, chunks, group, pp, rank, forward_only
+    )
+    table = get_schedule_table(num_microbatches, chunks, group)
+    cp_size = s._group_size(pg_collection.cp)
+    deallocate = getattr(config, "deallocate_pipeline_outputs", False)
+
+    def chunk_of(k: int, forward: bool) -> int:
+        chunk = table[k % total][1]
+        return chunk if forward else chunks - chunk - 1
+
+    def receive_for(k: int, forward: bool) -> tuple[bool, int]:
+        """Whether this rank receives after virtual microbatch ``k``, and for which chunk."""
+        leading = first if forward else last
+        last_chunk = chunks - 1 if forward else 0
+        if not leading:
+            return True, chunk_of(k + 1, forward)
+        # The first (forward) or last (backward) rank receives from the other end of the ring,
+        # pp - 1 virtual microbatches behind, for the following chunk.
+        if k < pp - 1:
+            return False, chunk_of(k + 1, forward)
+        source = chunk_of(k - (pp - 1), forward)
+        return source != last_chunk, source + (1 if forward else -1)
+
+    input_tensors = [[] for _ in model]
+    output_tensors = [[] for _ in model]
+    output_tensor_grads = [[] for _ in model]
+    forward_data_store: list = []
+    total_num_tokens = torch.zeros([], dtype=torch.int, device=get_collective_device(pg_collection.pp))
+
+    def forward(k: int):
+        nonlocal total_num_tokens
+        chunk, microbatch = chunk_of(k, True), table[k][0]
+        if chunk == 0 and first and len(input_tensors[chunk]) == len(output_tensors[chunk]):
+            input_tensors[chunk].append(None)  # the first chunk of the first rank reads data, not a tensor
+        input_tensor = input_tensors[chunk][len(output_tensors[chunk])]
+        output_tensor, num_tokens = s.forward_step(
+            forward_step_func,
+            data_iterator[chunk],
+            model[chunk],
+            num_microbatches,
+            input_tensor,
+            forward_data_store,
+            config,
+            cp_group_size=cp_size,
+            collect_non_loss_data=collect_non_loss_data,
+            is_first_microbatch=s.check_first_val_step(first_val_step, forward_only, microbatch == 0),
+            current_microbatch=microbatch,
+            vp_stage=chunk,
+            is_last_stage=last and chunk == chunks - 1,
+        )
+        total_num_tokens += num_tokens
+        output_tensors[chunk].append(output_tensor)
+        if forward_only:
+            input_tensors[chunk].pop(0)
+            output_tensors[chunk].pop()
+        # The last chunk of the last rank computed the loss: nothing to send on.
+        return None if (last and chunk == chunks - 1) else output_tensor
+
+    def backward(k: int):
+        chunk = chunk_of(k, False)
+        if last and chunk == chunks - 1 and not output_tensor_grads[chunk]:
+            output_tensor_grads[chunk].append(None)
+        grad = s.backward_step(
+            input_tensors[chunk].pop(0),
+            output_tensors[chunk].pop(0),
+            output_tensor_grads[chunk].pop(0),
+            config,
+        )
+        return None if (first and chunk == 0) else grad
+
+    no_sync_func = getattr(config, "no_sync_func", None) or contextlib.nullcontext
+    with s._timed(config), contextlib.ExitStack() as no_sync:
+        no_sync.enter_context(no_sync_func())
+        input_tensors[0].append(p2p.recv_forward(shape, first))
+
+        for k in range(num_warmup):
+            output_tensor = forward(k)
+            recv_prev, next_chunk = receive_for(k, True)
+            recv_prev = recv_prev and k != total - 1
+            if k == num_warmup - 1 and not forward_only and not all_warmup:
+                input_tensor, output_grad = p2p.send_forward_backward_recv_forward_backward(
+                    output_tensor, None, recv_prev=recv_prev, recv_next=not last, tensor_shape=shape
+                )
+                output_tensor_grads[chunks - 1].append(output_grad)
+            else:
+                input_tensor = p2p.send_forward_recv_forward(output_tensor, recv_prev, shape)
+            if recv_prev:
+                input_tensors[next_chunk].append(input_tensor)
+            s.deallocate_output_tensor(output_tensor, deallocate)
+
+        for k in range(num_remaining):
+            output_tensor = forward(k + num_warmup)
+            input_grad = backward(k)
+            recv_prev, next_forward_chunk = receive_for(k + num_warmup, True)
+            recv_next, next_backward_chunk = receive_for(k, False)
+            recv_prev = recv_prev and k != num_remaining - 1
+            input_tensor, output_grad = p2p.send_forward_backward_recv_forward_backward(
+                output_tensor, input_grad, recv_prev=recv_prev, recv_next=recv_next, tensor_shape=shape
+            )
+            s.deallocate_output_tensor(output_tensor, deallocate)
+            if recv_prev:
+                input_tensors[next_forward_chunk].append(input_tensor)
+            if recv_next:
+                output_tensor_grads[next_backward_chunk].append(output_grad)
+
+        if not forward_only:
+            if all_warmup:
+                output_tensor_grads[chunks - 1].append(p2p.recv_backward(shape, last))
+            for k in range(num_remaining, total):
+                if k == total - 1:
+                    no_sync.close()  # the last backward may sync the gradients
+                input_grad = backward(k)
+                recv_next, next_chunk = receive_for(k, False)
+                recv_next = recv_next and k != total - 1
+                output_grad = p2p.send_backward_recv_backward(input_grad, recv_next, shape)
+                if recv_next:
+                    output_tensor_grads[next_chunk].append(output_grad)
+        no_sync.close()
+        finalize = getattr(config, "finalize_model_grads_func", None)
+        if finalize is not None and not forward_only:
+            per_token = getattr(config, "calculate_per_token_loss", False)
+            finalize(
+                model,
+                total_num_tokens if per_token else None,
+                pg_collection=pg_collection,
+                force_all_reduce=force_all_reduce,
+            )
+    return forward_data_store
