@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_helpers import SMALL_MODEL, parse_losses, run_pretrain, run_world
+from dist_helpers import run_world
 
 ITERS = 8
 SHARDED = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
