@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_helpers import run_world
+from dist_helpers import SMALL_MODEL, parse_losses, run_pretrain, run_world
 
 ITERS = 8
 SHARDED = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
@@ -124,3 +124,61 @@ def test_sharded_step_equals_replicated_step(dp4, dtype):
     full = torch.tensor(dp4[0][f"weights_{dtype}_False"])
     sharded = torch.tensor(dp4[0][f"weights_{dtype}_True"])
     assert torch.allclose(full, sharded, rtol=1e-6, atol=1e-7)
+
+
+# Per-iteration lm loss over 8 iterations: the flags change how gradients and parameters move, not
+# what they are. 16 samples per batch so dp = 4 still accumulates two microbatches.
+def _losses(tmp_path, layout: str, extra=()) -> dict[int, float]:
+    tp, pp, dp = (int(v) for v in layout.split("x"))
+    args = [
+        *SMALL_MODEL,
+        *f"--global-batch-size 16 --train-iters {ITERS} --seed 1234 --tensor-model-parallel-size {tp} "
+        f"--pipeline-model-parallel-size {pp} --nproc-per-node {tp * pp * dp}".split(),
+        *extra,
+    ]
+    result = run_pretrain(args, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = parse_losses(result.stdout)
+    assert sorted(losses) == list(range(1, ITERS + 1)), result.stdout
+    return losses
+
+
+def _assert_parity(got, want, rel):
+    for it in range(1, ITERS + 1):
+        assert abs(got[it] - want[it]) <= rel * abs(want[it]), (it, got[it], want[it])
+
+
+@pytest.fixture(scope="module")
+def dp2_reference(tmp_path_factory):
+    return _losses(tmp_path_factory.mktemp("dp2"), "1x1x2")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--use-distributed-optimizer"],
+        ["--overlap-grad-reduce", *SMALL_BUCKETS],
+        [*SHARDED, *SMALL_BUCKETS],
+    ],
+    ids=["distributed-optimizer", "overlap-grad-reduce", "all-flags"],
+)
+def test_dp2_loss_parity(tmp_path, dp2_reference, flags):
+    _assert_parity(_losses(tmp_path, "1x1x2", flags), dp2_reference, 1e-6)
+
+
+# tp x pp x dp: dp = 4 alone and with pp = 2; dp = 2 with pp = 2 and with tp = 2.
+@pytest.mark.parametrize("layout", ["1x1x4", "1x2x4", "1x2x2", "2x1x2"])
+def test_loss_parity_with_all_flags(tmp_path, layout):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = _losses(tmp_path / "a", layout)
+    _assert_parity(_losses(tmp_path / "b", layout, [*SHARDED, *SMALL_BUCKETS]), plain, 1e-6)
+
+
+def test_bf16_loss_parity(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = _losses(tmp_path / "a", "1x1x2", ["--bf16"])
+    sharded = _losses(tmp_path / "b", "1x1x2", ["--bf16", *SHARDED, *SMALL_BUCKETS])
+    _assert_parity(sharded, plain, 5e-3)
+    assert sharded[ITERS] < sharded[1]
