@@ -182,3 +182,17 @@ def test_bf16_loss_parity(tmp_path):
     sharded = _losses(tmp_path / "b", "1x1x2", ["--bf16", *SHARDED, *SMALL_BUCKETS])
     _assert_parity(sharded, plain, 5e-3)
     assert sharded[ITERS] < sharded[1]
+
+
+@pytest.mark.parametrize("bf16,full,sharded", [(False, 16, 8 + 8 / 4), (True, 18, 6 + 12 / 4)])
+def test_theoretical_memory_divides_the_optimizer_share_by_dp(bf16, full, sharded):
+    from megatron_lite.training.arguments import build_parser, config_from_args
+    from megatron_lite.training.utils.theoretical_memory_utils import report_theoretical_memory
+
+    def estimate(extra):
+        args = [*SMALL_MODEL, "--global-batch-size", "16", *(["--bf16"] if bf16 else []), *extra]
+        config = config_from_args(build_parser().parse_args(args))
+        config.data_parallel_size = 4
+        return report_theoretical_memory(config)
+
+    assert estimate(["--use-distributed-optimizer"]) / estimate([]) == pytest.approx(sharded / full)
