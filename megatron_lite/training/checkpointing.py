@@ -22,6 +22,12 @@ import torch.distributed as dist
 
 from megatron_lite.core import parallel_state
 from megatron_lite.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_lite.training.distrib_optim_checkpointing import (
+    get_distributed_optimizer_checkpoint_name,
+    load_distributed_optimizer,
+    optimizer_format_error,
+    uses_distributed_optimizer,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
@@ -36,15 +42,6 @@ class CheckpointError(RuntimeError):
 
 def _shard_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
-def get_distributed_optimizer_checkpoint_name(model_checkpoint_name: str) -> str:
-    """Upstream's legacy name: ``distrib_optim.pt`` beside the shard's ``model_optim_rng.pt``."""
-    return os.path.join(os.path.dirname(model_checkpoint_name), "distrib_optim.pt")
-
-
-def _uses_distributed_optimizer(optimizer) -> bool:
-    return hasattr(optimizer, "get_parameter_state_dp_zero")
 
 
 def get_checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int) -> str:
@@ -145,7 +142,7 @@ def save_checkpoint(state, model, optimizer, scheduler, pg_collection) -> None:
         }
         _atomic_write_bytes(path, lambda f: torch.save(payload, f))
         _fsync_dir(os.path.dirname(path))
-    if _uses_distributed_optimizer(optimizer):
+    if uses_distributed_optimizer(optimizer):
         # Every dp rank sends its shards; dp rank 0 writes them next to the model shard.
         param_state = optimizer.get_parameter_state_dp_zero()
         if param_state is not None:
@@ -314,40 +311,6 @@ def _my_optimizer_shard(root: str, iteration: int) -> str:
     )
 
 
-def _optimizer_format_error(root: str, iteration: int, payload: dict, optimizer) -> str | None:
-    """One line when the checkpoint's optimizer cannot restore this run's, before anything loads."""
-    saved_sharded = bool((payload.get("optimizer") or {}).get("use_distributed_optimizer", False))
-    if saved_sharded != _uses_distributed_optimizer(optimizer):
-        saved, now = ("with", "without") if saved_sharded else ("without", "with")
-        return (
-            f"--load {root}: iteration {iteration} was saved {saved} --use-distributed-optimizer but this "
-            f"run is {now} it; use the saved setting or --no-load-optim"
-        )
-    path = _my_optimizer_shard(root, iteration)
-    if saved_sharded and not os.path.exists(path):
-        return (
-            f"--load {root}: iteration {iteration} has no optimizer shard {os.path.relpath(path, root)}; "
-            "the checkpoint is incomplete"
-        )
-    return None
-
-
-def _load_distributed_optimizer(root: str, iteration: int, optimizer) -> str | None:
-    path = _my_optimizer_shard(root, iteration)
-    shard = os.path.relpath(path, root)
-    try:
-        param_state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # torch raises many types for truncated or garbage files
-        return f"--load {root}: cannot read {shard} ({type(err).__name__}); the file is corrupt or truncated"
-    saved = [sum(b) for b in param_state.get("per_bucket_numel_unpadded", [])]
-    now = [sum(b) for b in optimizer.per_bucket_numel_unpadded()]
-    if saved != now:
-        return f"--load {root}: {shard} holds {saved} parameters but this model has {now}"
-    # Offsets skip the bucket padding: any data-parallel size or bucketing takes its own shard.
-    optimizer.load_parameter_state_from_dp_zero(param_state)
-    return None
-
-
 def _agree(error: str | None) -> None:
     """Raise the same CheckpointError on every rank if any rank failed. Collective over the world."""
     errors = [None] * dist.get_world_size()
@@ -368,7 +331,9 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
             payload = _load_shard(cfg.load, iteration)
             error = _architecture_error(cfg.load, payload.get("config"), state.cfg.model)
             if error is None and cfg.load_optim and not cfg.finetune:
-                error = _optimizer_format_error(cfg.load, iteration, payload, optimizer)
+                error = optimizer_format_error(
+                    cfg.load, iteration, payload, optimizer, _my_optimizer_shard(cfg.load, iteration)
+                )
     except CheckpointError as err:
         error = str(err)
     _agree(error)
@@ -382,8 +347,10 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
             state.train_state.load_state_dict(payload["train_state"])
             if cfg.load_optim:
                 optimizer.load_state_dict(payload["optimizer"])
-                if _uses_distributed_optimizer(optimizer):
-                    error = _load_distributed_optimizer(cfg.load, iteration, optimizer)
+                if uses_distributed_optimizer(optimizer):
+                    error = load_distributed_optimizer(
+                        cfg.load, _my_optimizer_shard(cfg.load, iteration), optimizer
+                    )
                 scheduler.load_state_dict(payload["opt_param_scheduler"])
             if cfg.load_rng:
                 _set_rng_state(payload["rng_state"])

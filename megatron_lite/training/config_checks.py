@@ -66,6 +66,14 @@ def check_supported(cfg) -> None:
     )
     if d.overlap_param_gather and not (d.use_distributed_optimizer or o.use_distributed_optimizer):
         raise ConfigError("--overlap-param-gather", "needs --use-distributed-optimizer (as upstream)")
+    if (
+        d.use_distributed_optimizer or o.use_distributed_optimizer
+    ) and cfg.logger.log_l2_norm_grad_to_tensorboard:
+        raise ConfigError(
+            "--use-distributed-optimizer",
+            "logger.log_l2_norm_grad_to_tensorboard needs each parameter's whole reduced gradient, "
+            "but the distributed optimizer reduces only each rank's shard",
+        )
     if d.bucket_size is not None and d.bucket_size <= 0:
         raise ConfigError("--ddp-bucket-size", f"must be positive, got {d.bucket_size}")
     if (ck.save or ck.load) and ck.ckpt_format != "torch":

@@ -75,7 +75,10 @@ class DistributedDataParallel(nn.Module):
             self._buffer_of[param].register_grad_ready(param, async_op=True)
 
     def _param_gather_hook(self, params):
-        buckets = {id(b): b for p in params for b in [self._bucket_of(p)]}.values()
+        buckets = []
+        for p in params:
+            if not any(b is self._bucket_of(p) for b in buckets):
+                buckets.append(self._bucket_of(p))
 
         def hook(_module, _args):
             for bucket in buckets:

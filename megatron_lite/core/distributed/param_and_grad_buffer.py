@@ -89,7 +89,7 @@ class _ParamAndGradBuffer:
         dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.param_index_map: dict[nn.Parameter, tuple[int, int, int]] = {}
         self.param_unpadded_start: dict[nn.Parameter, int] = {}  # offset with bucket padding removed
-        layout: list[tuple[list[nn.Parameter], int, int]] = []  # (params, start, numel_unpadded)
+        layout: list[tuple[list[nn.Parameter], int, int, int]] = []  # params, start, unpadded, padded
         current: list[nn.Parameter] = []
         start = offset = unpadded = 0
 
@@ -98,7 +98,7 @@ class _ParamAndGradBuffer:
             numel = offset - start
             if use_distributed_optimizer:  # equal shards for every dp rank
                 offset = start + -(-numel // dp_size) * dp_size
-            layout.append((current, start, numel))
+            layout.append((current, start, numel, offset - start))
             current, start = [], offset
 
         for p in reversed(params):
@@ -131,21 +131,15 @@ class _ParamAndGradBuffer:
         self.buckets = [
             _ParamAndGradBucket(
                 bucket_params,
-                self.grad_data[begin : begin + self._padded(numel, dp_size, use_distributed_optimizer)],
-                None
-                if self.param_data is None
-                else self.param_data[begin : begin + self._padded(numel, dp_size, use_distributed_optimizer)],
+                self.grad_data[begin : begin + padded],
+                None if self.param_data is None else self.param_data[begin : begin + padded],
                 begin,
                 numel,
                 dp_group,
                 use_distributed_optimizer,
             )
-            for bucket_params, begin, numel in layout
+            for bucket_params, begin, numel, padded in layout
         ]
-
-    @staticmethod
-    def _padded(numel: int, dp_size: int, pad: bool) -> int:
-        return -(-numel // dp_size) * dp_size if pad else numel
 
     def register_grad_ready(self, param: nn.Parameter, async_op: bool) -> None:
         """Mark ``param``'s gradient final; the bucket's reduction starts once all of it is final."""

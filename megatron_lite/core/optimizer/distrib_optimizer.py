@@ -75,7 +75,11 @@ class DistributedOptimizer:
         self.model_parallel_group = model_parallel_group
         self.dp_group = dp_group
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        assert all(chunk.use_distributed_optimizer for chunk in model_chunks), (
+            "DistributedOptimizer needs DistributedDataParallel built with use_distributed_optimizer"
+        )
         self.ranges = _shard_ranges(model_chunks)
+        self._loaded_step = 0.0
         decay = [r.main for r in self.ranges if r.param.ndim >= 2]
         no_decay = [r.main for r in self.ranges if r.param.ndim < 2]
         groups = [
@@ -207,7 +211,7 @@ class DistributedOptimizer:
     @torch.no_grad()
     def load_parameter_state_from_dp_zero(self, state: dict) -> None:
         """Take this rank's shard of every saved tensor (any saved dp size: offsets are unpadded)."""
-        step = torch.tensor(getattr(self, "_loaded_step", 0.0), dtype=torch.float32)
+        step = torch.tensor(self._loaded_step, dtype=torch.float32)
         buffers = self._buffers()
         for r in self.ranges:
             world = state[buffers.index(r.buffer)][str(r.buffer.grad_data.dtype)]
