@@ -86,6 +86,15 @@ def _world(rank, world_size):
             out[f"report_{dtype}_{sharded}"] = report_memory()["mem-optimizer-state-gigabytes"]
         out[f"bytes_{dtype}"] = state_bytes
         out[f"numel_{dtype}"] = sum(p.numel() for p in _model(dtype).parameters())
+    # force_all_reduce (upstream's finalize_model_grads argument): the whole buffer, not a shard.
+    cfg = _Cfg(use_distributed_optimizer=True, overlap_grad_reduce=False, overlap_param_gather=False)
+    ddp = DistributedDataParallel(None, _model(torch.float32), dp_group=group, ddp_config=cfg)
+    ddp(x).pow(2).sum().backward()
+    ddp.finish_grad_sync(force_all_reduce=True)
+    whole = ddp.buckets[0].grad_data
+    replicas = [torch.zeros_like(whole) for _ in range(world_size)]
+    dist.all_gather(replicas, whole, group=group)
+    out["force_all_reduce_replicated"] = all(torch.equal(replicas[0], r) for r in replicas)
     return out
 
 
@@ -166,8 +175,8 @@ def test_dp2_loss_parity(tmp_path, dp2_reference, flags):
     _assert_parity(_losses(tmp_path, "1x1x2", flags), dp2_reference, 1e-6)
 
 
-# tp x pp x dp: dp = 4 alone and with pp = 2; dp = 2 with pp = 2 and with tp = 2.
-@pytest.mark.parametrize("layout", ["1x1x4", "1x2x4", "1x2x2", "2x1x2"])
+# tp x pp x dp: all flags together, dp = 4 alone and dp = 2 and 4 with pp = 2 and with tp = 2.
+@pytest.mark.parametrize("layout", ["1x1x4", "1x2x4", "2x1x4", "1x2x2", "2x1x2"])
 def test_loss_parity_with_all_flags(tmp_path, layout):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -196,3 +205,7 @@ def test_theoretical_memory_divides_the_optimizer_share_by_dp(bf16, full, sharde
         return report_theoretical_memory(config)
 
     assert estimate(["--use-distributed-optimizer"]) / estimate([]) == pytest.approx(sharded / full)
+
+
+def test_force_all_reduce_reduces_the_whole_buffer(dp4):
+    assert all(r["force_all_reduce_replicated"] for r in dp4)

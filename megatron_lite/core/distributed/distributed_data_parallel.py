@@ -107,10 +107,11 @@ class DistributedDataParallel(nn.Module):
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         """Average the gradient buffers over the data-parallel group (start what the hooks did not,
-        wait for all). Collective over ``dp_group``. ``force_all_reduce`` is accepted for upstream's
-        signature; with the distributed optimizer only this rank's shard of each bucket is reduced."""
+        wait for all). Collective over ``dp_group``. With the distributed optimizer only this rank's
+        shard of each bucket is reduced, unless ``force_all_reduce`` (for buckets not already
+        started by the overlap hooks), as upstream."""
         for bucket in self.buckets:
-            bucket.finish_grad_sync()
+            bucket.finish_grad_sync(force_all_reduce=bool(force_all_reduce))
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """All-gather the parameter shards (distributed optimizer), asynchronously with

@@ -43,23 +43,23 @@ class _ParamAndGradBucket:
         rank = self.dp_rank if rank is None else rank
         return data[rank * size : (rank + 1) * size]
 
-    def start_grad_sync(self, async_op: bool) -> None:
+    def start_grad_sync(self, async_op: bool, force_all_reduce: bool = False) -> None:
         """Average the bucket's gradients over dp: reduce-scatter into this rank's shard (distributed
-        optimizer) or all-reduce. Collective over the dp group."""
+        optimizer, unless ``force_all_reduce``) or all-reduce. Collective over the dp group."""
         self.grad_sync_started = True
         if self.dp_size == 1:
             return
         self.grad_data.mul_(1.0 / self.dp_size)
-        if self.use_dist_opt:
+        if self.use_dist_opt and not force_all_reduce:
             self.grad_handle = _reduce_scatter(
                 self.shard(self.grad_data), self.grad_data, group=self.dp_group, async_op=async_op
             )
         else:
             self.grad_handle = dist.all_reduce(self.grad_data, group=self.dp_group, async_op=async_op)
 
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
         if not self.grad_sync_started:
-            self.start_grad_sync(async_op=False)
+            self.start_grad_sync(async_op=False, force_all_reduce=force_all_reduce)
         if self.grad_handle is not None:
             self.grad_handle.wait()
             self.grad_handle = None
