@@ -31,6 +31,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/pipeline_vs_torch_pipelining.py
 	$(PY) bench/memory_logging_overhead.py
+	$(PY) bench/activation_levers.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -60,6 +60,24 @@ BAD_INPUT = [
     (["--swiglu", "--hidden-size", "16", "--num-attention-heads", "4"], "--ffn-hidden-size"),
     (["--swiglu", "--squared-relu"], "--squared-relu"),
     (["--norm-epsilon", "0"], "--norm-epsilon"),
+    (["--recompute-method", "uniform", "--recompute-num-layers", "1"], "--recompute-method"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "1"], "--recompute-method"),
+    (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-num-layers"),
+    (
+        "--recompute-granularity full --recompute-method block --recompute-num-layers 3 "
+        "--num-layers 4 --pipeline-model-parallel-size 2".split(),
+        "--recompute-num-layers",
+    ),
+    (["--recompute-granularity", "partial"], "--recompute-granularity"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe"], "--recompute-modules"),
+    (["--recompute-modules", "mlp"], "--recompute-modules"),
+    (["--sequence-parallel"], "--sequence-parallel"),
+    (
+        "--sequence-parallel --tensor-model-parallel-size 4 --context-parallel-size 2 --seq-length 20 "
+        "--max-position-embeddings 20 --num-attention-heads 4 --hidden-size 64".split(),
+        "--sequence-parallel",
+    ),
+    (["--distribute-saved-activations"], "--distribute-saved-activations"),
 ]
 
 

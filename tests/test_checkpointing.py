@@ -279,3 +279,16 @@ def test_resume_with_dropout_is_bitwise_identical(tmp_path):
 )
 def test_other_architecture_is_refused_naming_the_difference(saved_pp2, flags, needle):
     _refused(saved_pp2, ["--pipeline-model-parallel-size", "2", *flags], needle)
+
+
+def test_resume_with_recompute_is_bitwise_identical(tmp_path):
+    """Recomputation replays the RNG streams of the forward it repeats; resuming restores them all."""
+    recompute = [
+        *SMALL_MODEL,
+        *"--train-iters 8 --pipeline-model-parallel-size 2 --hidden-dropout 0.1 --attention-dropout 0.1".split(),
+        *"--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split(),
+    ]
+    straight = ok(run_pretrain(recompute, tmp_path))
+    ok(run_pretrain([*recompute, "--save", "c", "--exit-interval", "4"], tmp_path))
+    resumed = ok(run_pretrain([*recompute, "--load", "c"], tmp_path))
+    assert {it: loss_lines(straight.stdout)[it] for it in range(5, 9)} == loss_lines(resumed.stdout)

@@ -94,3 +94,10 @@ def test_llama_shaped_with_dropout_trains_under_tp_and_cp(tmp_path, llama_refere
     assert all(loss == loss for loss in losses.values())  # no NaN
     assert losses[ITERS] < losses[1]
     assert losses != llama_reference  # the masks did act
+
+
+@pytest.mark.parametrize("tp,pp,cp", [(2, 1, 1), (2, 2, 1), (2, 1, 2)])
+def test_sequence_parallel_loss_matches_single_process(tmp_path, reference, tp, pp, cp):
+    losses = _losses(tmp_path, tp, pp, 1, ["--sequence-parallel"], cp=cp)
+    for it in range(1, ITERS + 1):
+        assert abs(losses[it] - reference[it]) <= 5e-4 * abs(reference[it]), (it, losses[it], reference[it])

@@ -37,7 +37,7 @@ class _PrecisionDtype:
 class ModelParallelConfig:
     """Parallel sizes, initialisation and precision shared by the parallel layers and schedules.
 
-    Features megatron_lite does not have yet (sequence parallelism, virtual pipeline stages, expert
+    Features megatron_lite does not have yet (virtual pipeline stages, expert
     parallelism) keep upstream's field so configs port, and are refused where a run is set up.
     """
 
@@ -52,7 +52,7 @@ class ModelParallelConfig:
     context_parallel_size: int = 1
     """Context-parallel size."""
     sequence_parallel: bool = False
-    """Sequence parallelism (not supported yet)."""
+    """Split norms, dropout and residuals along the sequence over the tensor-parallel ranks (tp > 1)."""
     expert_model_parallel_size: int = 1
     """Expert-parallel size (MoE is not supported: 1)."""
     expert_tensor_parallel_size: int | None = None

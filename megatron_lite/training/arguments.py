@@ -20,7 +20,8 @@ from megatron_lite.core.activations import squared_relu
 from megatron_lite.training.config import ConfigContainer, ConfigError
 from megatron_lite.training.config_sections import ProfilingConfig
 
-# (flag, section, field, type, help). type is a callable, "store_true" or "store_false"; a field of
+# (flag, section, field, type, help). type is a callable, "store_true", "store_false" or "+" (a list of
+# strings); a field of
 # None marks a flag that config_from_args maps itself (it sets other fields).
 FLAGS: list[tuple[str, str, str, object, str]] = [
     # Model
@@ -94,8 +95,26 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "model",
         "sequence_parallel",
         "store_true",
-        "Sequence parallelism (not supported yet).",
+        "Split norms and dropout along the sequence over TP ranks (needs tp > 1).",
     ),
+    ("--recompute-granularity", "model", "recompute_granularity", str, "full or selective."),
+    ("--recompute-method", "model", "recompute_method", str, "uniform or block (with full)."),
+    ("--recompute-num-layers", "model", "recompute_num_layers", int, "Layers per chunk / per stage."),
+    (
+        "--recompute-activations",
+        "model",
+        None,
+        "store_true",
+        "Selective recomputation (--recompute-granularity selective).",
+    ),
+    (
+        "--distribute-saved-activations",
+        "model",
+        "distribute_saved_activations",
+        "store_true",
+        "Split recomputed chunks' inputs over TP ranks.",
+    ),
+    ("--recompute-modules", "model", "recompute_modules", "+", "Selective: core_attn and/or mlp."),
     ("--tensor-model-parallel-size", "model", "tensor_model_parallel_size", int, "Tensor-parallel size."),
     (
         "--pipeline-model-parallel-size",
@@ -250,8 +269,6 @@ UNSUPPORTED_FLAGS: dict[str, object] = {
     "--num-layers-per-virtual-pipeline-stage": int,
     "--expert-model-parallel-size": int,
     "--num-experts": int,
-    "--recompute-granularity": str,
-    "--recompute-activations": "store_true",
     "--use-flash-attn": "store_true",
 }
 
@@ -287,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest = flag[2:].replace("-", "_")
         if kind in ("store_true", "store_false"):
             group.add_argument(flag, dest=dest, action=kind, default=None, help=help_text)
+        elif kind == "+":
+            group.add_argument(flag, dest=dest, nargs="+", default=None, metavar="S", help=help_text)
         else:
             default = getattr(getattr(defaults, section), name)
             group.add_argument(
@@ -364,7 +383,12 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
 
 
 def _architecture_from_args(args: argparse.Namespace, m) -> None:
-    """The flags that set more than one model field: activations and grouped-query attention."""
+    """The flags that set more than one model field: activations, grouped-query attention, and
+    --recompute-activations (upstream's alias of --recompute-granularity selective)."""
+    if args.recompute_activations:
+        if m.recompute_granularity not in (None, "selective"):
+            raise ConfigError("--recompute-activations", "means --recompute-granularity selective; give one")
+        m.recompute_granularity = "selective"
     if args.swiglu:
         m.activation_func = F.silu
     if args.squared_relu:

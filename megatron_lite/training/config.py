@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 
 from megatron_lite.models.gpt_provider import GPTModelProvider
 from megatron_lite.training import config_checks
+from megatron_lite.training.activation_lever_checks import check_activation_levers
 from megatron_lite.training.architecture_checks import check_architecture
 from megatron_lite.training.config_errors import ConfigError, MissingPackageError, require
 from megatron_lite.training.config_optim import (
@@ -210,6 +211,7 @@ class ConfigContainer(_ConfigContainerBase):
             config_checks.check_ranges,
             config_checks.check_divisibility,
             check_architecture,
+            check_activation_levers,
             config_checks.check_logger,
         ):
             check(self)

@@ -28,7 +28,6 @@ def check_supported(cfg) -> None:
     _refuse(
         {
             "--fp16": m.fp16 or o.fp16,
-            "--sequence-parallel": m.sequence_parallel,
             "--virtual-pipeline-model-parallel-size": m.virtual_pipeline_model_parallel_size not in (None, 1),
             "--expert-model-parallel-size": getattr(m, "expert_model_parallel_size", 1) != 1,
             "--apply-rope-fusion": getattr(m, "apply_rope_fusion", False),

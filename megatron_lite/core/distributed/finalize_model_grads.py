@@ -17,15 +17,44 @@ def _embedding_group(pg_collection):
     return parallel_state.get_embedding_group(check_initialized=False)
 
 
+def _tensor_parallel_group(pg_collection):
+    if pg_collection is not None:
+        return pg_collection.tp
+    from megatron_lite.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+
+
+def _allreduce_non_tensor_model_parallel_grads(model, tp_group) -> None:
+    """Sum the gradients of sequence-parallel parameters (norm weights, row-parallel biases) over the
+    tensor-parallel group: each TP rank saw only its share of the sequence. One all-reduce of all of
+    them, flattened. Collective over ``tp_group``."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return
+    grads = [
+        p.main_grad
+        for chunk in model
+        for p in unwrap_model(chunk).parameters()
+        if p.requires_grad and getattr(p, "sequence_parallel", False)
+    ]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=tp_group)
+    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(reduced)
+
+
 def finalize_model_grads(
     model: list[torch.nn.Module],
     num_tokens: torch.Tensor | None = None,
     pg_collection=None,
     force_all_reduce: bool | None = False,
 ) -> None:
-    """Average gradients over data-parallel ranks, then sum the tied word-embedding gradient over the
-    embedding group (first and last stage). Collective over the dp group and, on the first and last
-    stage, the embedding group. Groups come from ``pg_collection``, else from parallel_state.
+    """Average gradients over data-parallel ranks, sum sequence-parallel parameters' gradients over the
+    tensor-parallel group, then sum the tied word-embedding gradient over the embedding group (first
+    and last stage). Collective over the dp and tp groups and, on the first and last stage, the
+    embedding group. Groups come from ``pg_collection``, else from parallel_state.
 
     ``num_tokens`` (per-token loss scaling, ``calculate_per_token_loss``) is not supported."""
     if num_tokens is not None:
@@ -36,6 +65,7 @@ def finalize_model_grads(
     # the first and last stage, so the embedding all-reduce below sums matching shards).
     for chunk in model:
         chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
+    _allreduce_non_tensor_model_parallel_grads(model, _tensor_parallel_group(pg_collection))
     embd = _embedding_group(pg_collection)
     if embd is None or dist.get_world_size(embd) == 1:
         return

@@ -16,6 +16,8 @@ from torch import nn
 
 from megatron_lite.core.model_parallel_config import ModelParallelConfig
 from megatron_lite.core.tensor_parallel.mappings import (
+    _gather,
+    _reduce_scatter,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -129,6 +131,29 @@ def linear_with_frozen_weight(
     return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad, tp_group)
 
 
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """``gather(input) @ weight.T + bias`` for a sequence-parallel input [s / tp, b, in]: the gathered
+    input is used and dropped, only the local shard is kept for backward, which gathers it again
+    for the weight gradient and reduce-scatters the input gradient (upstream's memory saving: the
+    layer keeps s / tp rows, not s). Collective over ``tp_group`` in forward and backward."""
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, tp_group):
+        ctx.save_for_backward(input_, weight)
+        ctx.has_bias, ctx.tp_group = bias is not None, tp_group
+        return F.linear(_gather(input_, tp_group, 0), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        total_input = _gather(input_, ctx.tp_group, 0)
+        grad_input = _reduce_scatter(grad_output.matmul(weight.to(grad_output.dtype)), ctx.tp_group, 0)
+        flat_grad = grad_output.reshape(-1, grad_output.size(-1))
+        grad_weight = flat_grad.t().matmul(total_input.reshape(-1, total_input.size(-1)))
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight.to(weight.dtype), grad_bias, None
+
+
 def linear_with_grad_accumulation_and_async_allreduce(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -155,8 +180,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
         )
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
     if sequence_parallel:
-        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-    elif allreduce_dgrad:
+        return LinearWithGradAccumulationAndAsyncCommunication.apply(input, weight, bias, tp_group)
+    if allreduce_dgrad:
         input = copy_to_tensor_model_parallel_region(input, group=tp_group)
     return F.linear(input, weight, bias)
 
@@ -235,16 +260,24 @@ class ColumnParallelLinear(nn.Module):
                 f"supplied weight's shape is {tuple(weight.shape)}, "
                 f"not {(self.output_size_per_partition, self.input_size)} as expected"
             )
-        if self.sequence_parallel:
-            input_parallel = gather_from_sequence_parallel_region(input_, group=self.tp_group)
-        elif self.disable_grad_reduce:
-            input_parallel = input_
-        else:
-            input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        if weight.requires_grad:
+        if self.sequence_parallel and weight.requires_grad:
+            output = LinearWithGradAccumulationAndAsyncCommunication.apply(
+                input_, weight, bias, self.tp_group
+            )
+        elif weight.requires_grad:
+            if self.disable_grad_reduce:
+                input_parallel = input_
+            else:
+                input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
             output = F.linear(input_parallel, weight, bias)
         else:
+            if self.sequence_parallel:
+                input_parallel = gather_from_sequence_parallel_region(input_, group=self.tp_group)
+            elif self.disable_grad_reduce:
+                input_parallel = input_
+            else:
+                input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
             output = LinearWithFrozenWeight.apply(input_parallel, weight, bias, False, self.tp_group)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:

@@ -8,6 +8,7 @@ from torch import nn
 
 from megatron_lite.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.core.tensor_parallel.random import checkpoint
 from megatron_lite.core.tensor_parallel.utils import divide
 from megatron_lite.core.transformer.dot_product_attention import DotProductAttention
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
@@ -39,6 +40,10 @@ class SelfAttention(nn.Module):
         self.groups_per_partition = divide(groups, tp_size)
         self.heads_per_group = divide(config.num_attention_heads, groups)
         self.core_attention = DotProductAttention(config.attention_dropout, cp_group)
+        # Selective recomputation: keep q, k, v and recompute softmax(q k^T) v in backward.
+        self.checkpoint_core_attention = (
+            config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
+        )
         self.head_dim = config.kv_channels
         query_projection = config.kv_channels * config.num_attention_heads
         kv_projection = config.kv_channels * groups
@@ -64,8 +69,8 @@ class SelfAttention(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
     ) -> torch.Tensor:
-        s, b, _ = hidden_states.shape
         mixed, _ = self.linear_qkv(hidden_states)
+        s, b = mixed.shape[:2]  # the whole (CP-local) sequence, also when the input was sequence-parallel
         # [s, b, groups, heads_per_group + 2, d] -> q [s, b, heads, d], k and v [s, b, groups, d]
         mixed = mixed.view(s, b, self.groups_per_partition, self.heads_per_group + 2, self.head_dim)
         q, k, v = mixed.split([self.heads_per_group, 1, 1], dim=3)
@@ -76,7 +81,10 @@ class SelfAttention(nn.Module):
             k = apply_rotary_pos_emb(k, rotary_pos_emb, self.config)
         # -> [b, heads, s, d] for the attention kernel
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        context = self.core_attention(q, k, v)
+        if self.checkpoint_core_attention and self.training:
+            context = checkpoint(self.core_attention, False, q, k, v)
+        else:
+            context = self.core_attention(q, k, v)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_partition * self.head_dim)
         output, _ = self.linear_proj(context)
         return output

@@ -12,14 +12,20 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 class WrappedTorchNorm:
     """Builds ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` over ``hidden_size`` from
     ``config.normalization`` and ``config.layernorm_epsilon`` (a factory: the instance is the torch
-    module, so state-dict keys stay ``weight`` / ``bias``)."""
+    module, so state-dict keys stay ``weight`` / ``bias``). Its parameters carry ``sequence_parallel``."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float | None = None) -> nn.Module:
         eps = config.layernorm_epsilon if eps is None else eps
         if config.normalization == "LayerNorm":
-            return nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        if config.normalization == "RMSNorm":
-            return nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        raise ValueError(
-            f"normalization {config.normalization!r}: expected one of {', '.join(NORMALIZATIONS)}"
-        )
+            norm = nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        elif config.normalization == "RMSNorm":
+            norm = nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        else:
+            raise ValueError(
+                f"normalization {config.normalization!r}: expected one of {', '.join(NORMALIZATIONS)}"
+            )
+        for param in norm.parameters():
+            # Under sequence parallelism each TP rank normalises only its tokens: the weights' gradients
+            # are partial sums, all-reduced over TP by finalize_model_grads.
+            param.sequence_parallel = config.sequence_parallel
+        return norm

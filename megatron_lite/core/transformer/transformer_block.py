@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_lite.core.tensor_parallel.random import checkpoint
 from megatron_lite.core.transformer.torch_norm import WrappedTorchNorm
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 from megatron_lite.core.transformer.transformer_layer import TransformerLayer
@@ -29,6 +30,7 @@ class TransformerBlock(nn.Module):
         cp_group=None,
     ):
         super().__init__()
+        self.config = config
         num_layers, offset = get_num_layers_to_build(config, pp_rank)
         init, scaled = config.init_method, config.output_layer_init_method
         layers = []
@@ -47,11 +49,42 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = WrappedTorchNorm(config, config.hidden_size) if post_process else None
 
+    def _run_layers(self, start: int, end: int):
+        def run(hidden_states, rotary_pos_emb):
+            for layer in self.layers[start:end]:
+                hidden_states = layer(hidden_states, rotary_pos_emb)
+            return hidden_states
+
+        return run
+
+    def _checkpointed_forward(self, hidden_states, rotary_pos_emb):
+        """Full recomputation, Megatron's two methods over this stage's layers: ``uniform`` keeps only
+        the input of each chunk of ``recompute_num_layers`` layers; ``block`` recomputes the first
+        ``recompute_num_layers`` layers one by one and keeps the rest's activations."""
+        c = self.config
+        count, n = len(self.layers), c.recompute_num_layers
+        # Sequence-parallel inputs are already split over TP: nothing left to distribute.
+        distribute = c.distribute_saved_activations and not c.sequence_parallel
+        if c.recompute_method == "uniform":
+            for start in range(0, count, n):
+                run = self._run_layers(start, min(start + n, count))
+                hidden_states = checkpoint(run, distribute, hidden_states, rotary_pos_emb)
+            return hidden_states
+        for i in range(count):
+            run = self._run_layers(i, i + 1)
+            if i < n:
+                hidden_states = checkpoint(run, distribute, hidden_states, rotary_pos_emb)
+            else:
+                hidden_states = run(hidden_states, rotary_pos_emb)
+        return hidden_states
+
     def forward(
         self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
     ) -> torch.Tensor:
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, rotary_pos_emb)
+        if self.config.recompute_granularity == "full" and self.training:
+            hidden_states = self._checkpointed_forward(hidden_states, rotary_pos_emb)
+        else:
+            hidden_states = self._run_layers(0, len(self.layers))(hidden_states, rotary_pos_emb)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

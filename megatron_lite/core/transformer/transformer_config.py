@@ -73,6 +73,18 @@ class TransformerConfig(ModelParallelConfig):
     """Biases on linear layers."""
     add_qkv_bias: bool = False
     """Bias on the QKV projection even when ``add_bias_linear`` is off (Qwen-style)."""
+    recompute_granularity: str | None = None
+    """Activation recomputation: ``full`` (whole layers, see ``recompute_method``), ``selective``
+    (the modules in ``recompute_modules``) or None."""
+    recompute_method: str | None = None
+    """With full recomputation: ``uniform`` (chunks of ``recompute_num_layers`` layers, only each
+    chunk's input kept) or ``block`` (the first ``recompute_num_layers`` layers of each stage)."""
+    recompute_num_layers: int | None = None
+    """Layers per recomputed chunk (uniform) or recomputed layers per stage (block)."""
+    recompute_modules: list[str] | None = None
+    """Modules recomputed by selective recomputation: ``core_attn`` and/or ``mlp``; None means core_attn."""
+    distribute_saved_activations: bool = False
+    """Keep each recomputed chunk's input split over the tensor-parallel ranks (full recompute only)."""
     init_method: Callable | None = _DefaultInit(scaled=False)
     """Initialiser of the weights feeding no residual; None means normal(0, init_method_std)."""
     output_layer_init_method: Callable | None = _DefaultInit(scaled=True)
@@ -83,3 +95,5 @@ class TransformerConfig(ModelParallelConfig):
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.kv_channels is None and self.num_attention_heads > 0:
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
 from megatron_lite.core.transformer.attention import SelfAttention
 from megatron_lite.core.transformer.mlp import MLP
 from megatron_lite.core.transformer.torch_norm import WrappedTorchNorm
@@ -28,6 +31,10 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel
+        self.recompute_mlp = config.recompute_granularity == "selective" and "mlp" in config.recompute_modules
+        self.sequence_parallel = config.sequence_parallel
+        self.recompute_mlp = config.recompute_granularity == "selective" and "mlp" in config.recompute_modules
         self.input_layernorm = WrappedTorchNorm(config, config.hidden_size)
         self.self_attention = SelfAttention(
             config,
@@ -44,12 +51,24 @@ class TransformerLayer(nn.Module):
             tp_group=tp_group,
         )
 
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.hidden_dropout if self.training else 0.0
+        if p == 0.0:
+            return x
+        # Whole activations (alike on every TP rank) take the default stream; sequence-parallel shards
+        # differ per rank, so they take the per-rank stream.
+        fork = get_cuda_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
+        with fork:
+            return F.dropout(x, p=p, training=True)
+
     def forward(
         self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
     ) -> torch.Tensor:
-        # Hidden dropout acts on activations every TP rank holds whole: the default stream, alike on all.
-        p = self.hidden_dropout if self.training else 0.0
         attention = self.self_attention(self.input_layernorm(hidden_states), rotary_pos_emb)
-        hidden_states = hidden_states + F.dropout(attention, p=p, training=self.training)
-        mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
-        return hidden_states + F.dropout(mlp, p=p, training=self.training)
+        hidden_states = hidden_states + self._dropout(attention)
+        normed = self.pre_mlp_layernorm(hidden_states)
+        if self.recompute_mlp and self.training:
+            mlp = checkpoint(self.mlp, False, normed)
+        else:
+            mlp = self.mlp(normed)
+        return hidden_states + self._dropout(mlp)

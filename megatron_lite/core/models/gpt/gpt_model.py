@@ -131,9 +131,11 @@ class GPTModel(nn.Module):
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
+            # The global sequence length: the input is split over CP ranks, and over TP ranks too
+            # under sequence parallelism (attention sees the whole CP-local sequence).
             cp = self.pg_collection.cp if self.pg_collection is not None else None
-            cp_size = get_pg_size(cp) if cp is not None else 1
-            rotary_pos_emb = self.rotary_pos_emb(self.rotary_pos_emb.get_rotary_seq_len(hidden, cp_size))
+            total = get_pg_size(cp) * (get_pg_size(self.tp_group) if self.config.sequence_parallel else 1)
+            rotary_pos_emb = self.rotary_pos_emb(self.rotary_pos_emb.get_rotary_seq_len(hidden, total))
         hidden = self.decoder(hidden, rotary_pos_emb)
         if not self.post_process:
             return hidden

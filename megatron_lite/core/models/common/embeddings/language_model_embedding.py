@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from megatron_lite.core.tensor_parallel import VocabParallelEmbedding
+from megatron_lite.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 from megatron_lite.core.utils import init_method_normal
 
@@ -36,6 +37,7 @@ class LanguageModelEmbedding(nn.Module):
         if tp_group is None and pg_collection is not None:
             tp_group = pg_collection.tp
         self.config, self.vocab_size, self.max_sequence_length = config, vocab_size, max_sequence_length
+        self.tp_group = tp_group
         init = init_method_normal(config.init_method_std)
         self.word_embeddings = VocabParallelEmbedding(
             vocab_size, config.hidden_size, init_method=init, config=config, tp_group=tp_group
@@ -58,4 +60,8 @@ class LanguageModelEmbedding(nn.Module):
         embeddings = self.word_embeddings(input_ids)
         if self.add_position_embedding:
             embeddings = embeddings + self.position_embeddings(position_ids)
-        return embeddings.transpose(0, 1).contiguous()
+        embeddings = embeddings.transpose(0, 1).contiguous()
+        if self.config.sequence_parallel:
+            # Each TP rank keeps its share of the sequence; the gradient is gathered back.
+            embeddings = scatter_to_sequence_parallel_region(embeddings, group=self.tp_group)
+        return embeddings
