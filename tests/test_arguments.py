@@ -31,7 +31,8 @@ BAD_INPUT = [
     (["--log-memory-per-pp-stage"], "--log-memory-per-pp-stage"),
     (["--fp16"], "--fp16"),
     (["--data-path", "/data/corpus"], "--data-path"),
-    (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--overlap-param-gather"], "--overlap-param-gather"),
+    (["--ddp-bucket-size", "0"], "--ddp-bucket-size"),
     (
         ["--context-parallel-size", "2", "--seq-length", "30", "--max-position-embeddings", "30"],
         "--seq-length",

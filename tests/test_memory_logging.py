@@ -113,7 +113,13 @@ def test_cuda_run_dashboard_tags_are_upstreams(tmp_path):
         "mem-alloc-retires",
         "mem-allocated-count",
     ]
-    ours = ["mem-ooms", "mem-activation-gigabytes", "mem-max-activation-gigabytes", "capacity-gigabytes"]
+    ours = [
+        "mem-ooms",
+        "mem-activation-gigabytes",
+        "mem-max-activation-gigabytes",
+        "mem-optimizer-state-gigabytes",  # measured from the training run's optimizer
+        "capacity-gigabytes",
+    ]
     assert sorted(logged) == sorted(f"memory/{name}" for name in upstream + ours)
     assert logged["memory/mem-max-reserved-gigabytes"] == {1: 2.0, 2: 2.0}  # stage 1's, the larger
     assert logged["memory/mem-alloc-retires"][2] == 5 and logged["memory/mem-allocated-count"][2] == 101

@@ -174,6 +174,16 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--adam-beta2", "optimizer", "adam_beta2", float, "Adam beta2."),
     ("--adam-eps", "optimizer", "adam_eps", float, "Adam epsilon."),
     ("--clip-grad", "optimizer", "clip_grad", float, "Global grad-norm clip (0 disables)."),
+    (
+        "--use-distributed-optimizer",
+        "optimizer",
+        "use_distributed_optimizer",
+        "store_true",
+        "Shard optimizer state over data-parallel ranks.",
+    ),
+    ("--overlap-grad-reduce", "ddp", "overlap_grad_reduce", "store_true", "Overlap grad reduction."),
+    ("--overlap-param-gather", "ddp", "overlap_param_gather", "store_true", "Overlap param all-gather."),
+    ("--ddp-bucket-size", "ddp", "bucket_size", int, "Parameters per reduction bucket."),
     ("--lr-decay-style", "scheduler", "lr_decay_style", str, "constant, linear or cosine."),
     ("--lr-decay-iters", "scheduler", "lr_decay_iters", int, "Decay iterations (default train-iters)."),
     ("--lr-warmup-iters", "scheduler", "lr_warmup_iters", int, "Warmup iterations."),
@@ -270,12 +280,9 @@ UNSUPPORTED_FLAGS: dict[str, object] = {
     "--data-path": "+",
     "--split": str,
     "--tokenizer-type": str,
-    "--use-distributed-optimizer": "store_true",
     "--expert-model-parallel-size": int,
     "--num-experts": int,
     "--use-flash-attn": "store_true",
-    "--overlap-grad-reduce": "store_true",
-    "--overlap-param-gather": "store_true",
 }
 
 

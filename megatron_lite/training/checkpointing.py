@@ -22,6 +22,12 @@ import torch.distributed as dist
 
 from megatron_lite.core import parallel_state
 from megatron_lite.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_lite.training.distrib_optim_checkpointing import (
+    get_distributed_optimizer_checkpoint_name,
+    load_distributed_optimizer,
+    optimizer_format_error,
+    uses_distributed_optimizer,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
@@ -161,6 +167,13 @@ def save_checkpoint(state, model, optimizer, scheduler, pg_collection) -> None:
         }
         _atomic_write_bytes(path, lambda f: torch.save(payload, f))
         _fsync_dir(os.path.dirname(path))
+    if uses_distributed_optimizer(optimizer):
+        # Every dp rank sends its shards; dp rank 0 writes them next to the model shard.
+        param_state = optimizer.get_parameter_state_dp_zero()
+        if param_state is not None:
+            path = os.path.join(tmp_root, _my_shard_name(), "model_optim_rng.pt")
+            optim_path = get_distributed_optimizer_checkpoint_name(path)
+            _atomic_write_bytes(optim_path, lambda f: torch.save(param_state, f))
     if dist.get_rank() == 0:
         metadata = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, **_layout()}
         _atomic_write_bytes(
@@ -311,6 +324,18 @@ def _architecture_error(root: str, saved_config: dict, model) -> str | None:
     return None
 
 
+def _my_optimizer_shard(root: str, iteration: int) -> str:
+    return get_distributed_optimizer_checkpoint_name(
+        get_checkpoint_name(
+            root,
+            iteration,
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+    )
+
+
 def _agree(error: str | None) -> None:
     """Raise the same CheckpointError on every rank if any rank failed. Collective over the world."""
     errors = [None] * dist.get_world_size()
@@ -330,6 +355,10 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
             _check_layout(cfg.load, iteration)
             payload = _load_shard(cfg.load, iteration)
             error = _architecture_error(cfg.load, payload.get("config"), state.cfg.model)
+            if error is None and cfg.load_optim and not cfg.finetune:
+                error = optimizer_format_error(
+                    cfg.load, iteration, payload, optimizer, _my_optimizer_shard(cfg.load, iteration)
+                )
     except CheckpointError as err:
         error = str(err)
     _agree(error)
@@ -343,6 +372,10 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
             state.train_state.load_state_dict(payload["train_state"])
             if cfg.load_optim:
                 optimizer.load_state_dict(payload["optimizer"])
+                if uses_distributed_optimizer(optimizer):
+                    error = load_distributed_optimizer(
+                        cfg.load, _my_optimizer_shard(cfg.load, iteration), optimizer
+                    )
                 scheduler.load_state_dict(payload["opt_param_scheduler"])
             if cfg.load_rng:
                 _set_rng_state(payload["rng_state"])

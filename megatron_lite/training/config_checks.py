@@ -32,9 +32,6 @@ def check_supported(cfg) -> None:
             "--expert-model-parallel-size": getattr(m, "expert_model_parallel_size", 1) != 1,
             "--apply-rope-fusion": getattr(m, "apply_rope_fusion", False),
             "--calculate-per-token-loss": getattr(m, "calculate_per_token_loss", False),
-            "--use-distributed-optimizer": o.use_distributed_optimizer or d.use_distributed_optimizer,
-            "--overlap-param-gather": o.overlap_param_gather or d.overlap_param_gather,
-            "--overlap-grad-reduce": d.overlap_grad_reduce,
             "--use-precision-aware-optimizer": o.use_precision_aware_optimizer,
             "--decoupled-lr": o.decoupled_lr is not None,
             "--use-megatron-fsdp": d.use_megatron_fsdp or cfg.dist.use_megatron_fsdp,
@@ -66,6 +63,18 @@ def check_supported(cfg) -> None:
             "--check-for-spiky-loss": cfg.rerun_state_machine.check_for_spiky_loss,
         }
     )
+    if d.overlap_param_gather and not (d.use_distributed_optimizer or o.use_distributed_optimizer):
+        raise ConfigError("--overlap-param-gather", "needs --use-distributed-optimizer (as upstream)")
+    if (
+        d.use_distributed_optimizer or o.use_distributed_optimizer
+    ) and cfg.logger.log_l2_norm_grad_to_tensorboard:
+        raise ConfigError(
+            "--use-distributed-optimizer",
+            "logger.log_l2_norm_grad_to_tensorboard needs each parameter's whole reduced gradient, "
+            "but the distributed optimizer reduces only each rank's shard",
+        )
+    if d.bucket_size is not None and d.bucket_size <= 0:
+        raise ConfigError("--ddp-bucket-size", f"must be positive, got {d.bucket_size}")
     if (ck.save or ck.load) and ck.ckpt_format != "torch":
         raise ConfigError(
             "--ckpt-format", f"{ck.ckpt_format!r} is not supported yet; megatron_lite saves and loads 'torch'"

@@ -1,9 +1,10 @@
 """The optimizer and data-parallel sections of ConfigContainer (Megatron-Bridge names) and the
 checks across them and the model that upstream runs in ConfigContainer.validate.
 
-megatron_lite's optimizer is AdamW with fp32 master weights and its DDP an all-reduce of gradient
-buckets; the distributed-optimizer, overlap and FSDP fields keep upstream's names and defaults so
-configs port, and ConfigContainer.validate refuses them switched on.
+megatron_lite's optimizer is AdamW with fp32 master weights, replicated or (use_distributed_optimizer)
+sharded over data parallelism; its DDP reduces gradient buckets, optionally overlapped with backward.
+The FSDP and precision-aware fields keep upstream's names and defaults so configs port, and
+ConfigContainer.validate refuses them switched on.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ class OptimizerConfig(_CoreOptimizerConfig):
     decoupled_lr: float | None = None
     """A separate learning rate for the input and output embeddings (not supported yet: None)."""
     use_distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (not supported yet: False)."""
+    """Shard fp32 master weights and Adam state over data-parallel ranks (ZeRO-1)."""
     overlap_param_gather: bool = False
-    """Overlap the distributed optimizer's parameter all-gather (not supported yet: False)."""
+    """Overlap the distributed optimizer's parameter all-gather with the next forward."""
     use_precision_aware_optimizer: bool = False
     """Keep optimizer state in lower precision (not supported yet: False)."""
 
@@ -42,15 +43,15 @@ class DistributedDataParallelConfig:
     grad_reduce_in_fp32: bool = False
     """Reduce gradients in fp32 (megatron_lite keeps fp32 main gradients, so they always are)."""
     overlap_grad_reduce: bool = False
-    """Overlap the gradient reduction with the backward pass (not supported yet: False)."""
+    """Start each bucket's reduction from the backward pass as soon as its gradients are final."""
     overlap_param_gather: bool = False
-    """Overlap the parameter all-gather (distributed optimizer only; not supported yet: False)."""
+    """Overlap the parameter all-gather (distributed optimizer only)."""
     use_distributed_optimizer: bool = False
-    """Distributed optimizer (not supported yet: False)."""
+    """Reduce-scatter gradients into per-rank shards for the distributed optimizer."""
     check_for_nan_in_grad: bool = False
     """Check gradients for NaN before reducing them."""
     bucket_size: int | None = None
-    """Parameters per reduction bucket; None means megatron_lite's default."""
+    """Parameters per bucket (with overlap_grad_reduce); None means upstream's max(4e7, 1e6 * dp)."""
     average_in_collective: bool = False
     """Average inside the collective instead of scaling before it."""
     use_megatron_fsdp: bool = False
@@ -64,7 +65,7 @@ class DistributedDataParallelConfig:
 
 def _validate_and_sync_distributed_optimizer_settings(config) -> None:
     """As upstream: switching the distributed optimizer (or param-gather overlap) on in either the
-    DDP or the optimizer section switches it on in both (then megatron_lite refuses it)."""
+    DDP or the optimizer section switches it on in both."""
     for name in ("use_distributed_optimizer", "overlap_param_gather"):
         ddp_value, opt_value = getattr(config.ddp, name), getattr(config.optimizer, name)
         if ddp_value or opt_value:

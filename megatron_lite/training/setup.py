@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron_lite.core.datasets.gpt_dataset import MockGPTDataset
 from megatron_lite.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.core.optimizer import MegatronOptimizer, OptimizerParamScheduler
+from megatron_lite.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.utils import get_collective_device
 from megatron_lite.data.samplers import build_pretraining_data_loader
@@ -19,6 +20,7 @@ from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.initialize import initialize_megatron
 from megatron_lite.training.state import GlobalState
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
+from megatron_lite.training.utils.memory_utils import OPTIMIZER_STATE_MEMORY
 
 
 @dataclass
@@ -107,15 +109,27 @@ def setup(state: GlobalState) -> SetupOutput:
         # Weights are drawn on the CPU (layout-independent init), then live where the collectives run.
         module.to(get_collective_device())
         # Context-parallel ranks hold the same weights and see different tokens: average over both.
-        model.append(DistributedDataParallel(model_config, module, dp_group=pg_collection.dp_cp))
+        model.append(
+            DistributedDataParallel(model_config, module, dp_group=pg_collection.dp_cp, ddp_config=config.ddp)
+        )
         ACTIVATION_MEMORY.exclude_parameters(module.parameters())
     # The schedules call these: no_sync around all but the last microbatch, finalize after it.
     model_config.no_sync_func = partial(_no_sync_all, model)
     model_config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pg_collection)
 
-    optimizer = MegatronOptimizer(
-        config.optimizer, model, model_parallel_group=pg_collection.mp, tp_group=pg_collection.tp
-    )
+    if config.optimizer.use_distributed_optimizer:
+        optimizer = DistributedOptimizer(
+            config.optimizer,
+            model,
+            model_parallel_group=pg_collection.mp,
+            tp_group=pg_collection.tp,
+            dp_group=pg_collection.dp_cp,
+        )
+    else:
+        optimizer = MegatronOptimizer(
+            config.optimizer, model, model_parallel_group=pg_collection.mp, tp_group=pg_collection.tp
+        )
+    OPTIMIZER_STATE_MEMORY.track(optimizer)  # the memory report measures its state
     scheduler = get_optimizer_param_scheduler(config, optimizer)
     if config.checkpoint.load:
         checkpointing.load_checkpoint(state, model, optimizer, scheduler, pg_collection)

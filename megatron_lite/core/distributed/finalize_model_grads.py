@@ -61,8 +61,8 @@ def finalize_model_grads(
         raise NotImplementedError(
             "calculate_per_token_loss (gradients scaled by num_tokens) is not supported"
         )
-    # We always all-reduce (there is no reduce-scatter / distributed optimizer yet), so
-    # force_all_reduce asks for what happens anyway.
+    # Reduce-scatter with the distributed optimizer (its tied-embedding bucket is sharded alike on
+    # the first and last stage, so the embedding all-reduce below sums matching shards).
     for chunk in model:
         chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
     _allreduce_non_tensor_model_parallel_grads(model, _tensor_parallel_group(pg_collection))

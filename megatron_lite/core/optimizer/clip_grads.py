@@ -8,8 +8,11 @@ import torch
 import torch.distributed as dist
 
 
-def get_grad_norm_fp32(grads: list[torch.Tensor], model_parallel_group=None) -> float:
-    """L2 norm of ``grads`` over all model-parallel ranks. Collective over ``model_parallel_group``.
+def get_grad_norm_fp32(
+    grads: list[torch.Tensor], model_parallel_group=None, *, data_parallel_group=None
+) -> float:
+    """L2 norm of ``grads`` over all model-parallel ranks. Collective over ``model_parallel_group``
+    (first over ``data_parallel_group`` when given: the distributed optimizer's shards).
 
     ``grads`` must hold each logical parameter once: callers drop tensor-parallel duplicates and the
     last stage's copy of a tied embedding.
@@ -18,8 +21,9 @@ def get_grad_norm_fp32(grads: list[torch.Tensor], model_parallel_group=None) -> 
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:
         total += g.detach().double().pow(2).sum()
-    if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
-        dist.all_reduce(total, group=model_parallel_group)
+    for group in (data_parallel_group, model_parallel_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
     return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
 
 

@@ -91,6 +91,17 @@ class MegatronOptimizer:
             if m is not p:
                 m.grad = None
 
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state: AdamW moments and fp32 copies of non-fp32
+        parameters, measured from the tensors."""
+        total = sum(
+            t.numel() * t.element_size()
+            for state in self.optimizer.state.values()
+            for t in state.values()
+            if torch.is_tensor(t)
+        )
+        return total + sum(m.numel() * 4 for p, m in zip(self.params, self.masters) if m is not p)
+
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
         if any(m is not p for p, m in zip(self.params, self.masters)):

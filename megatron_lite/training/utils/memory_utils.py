@@ -49,6 +49,29 @@ ACTIVATION_MEMORY_KEYS: dict[str, str] = {
 }
 
 
+# This rank's optimizer state (moments and fp32 master copies), measured from the optimizer's tensors;
+# present once setup registers the optimizer, so the saving of --use-distributed-optimizer shows.
+OPTIMIZER_MEMORY_KEYS: dict[str, str] = {"optimizer_state_bytes.current": "mem-optimizer-state-bytes"}
+
+
+class OptimizerStateMemory:
+    """Holds the run's optimizer so the memory report can measure its state bytes."""
+
+    def __init__(self):
+        self.optimizer = None
+
+    def track(self, optimizer) -> None:
+        self.optimizer = optimizer
+
+    def stats(self) -> dict[str, int]:
+        if self.optimizer is None:
+            return {}
+        return {"optimizer_state_bytes.current": self.optimizer.optimizer_state_bytes()}
+
+
+OPTIMIZER_STATE_MEMORY = OptimizerStateMemory()
+
+
 def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
@@ -77,9 +100,10 @@ def _activation_memory_stats() -> dict[str, int]:
 
 def default_memory_keys() -> dict[str, str]:
     """What ``report_memory(None)`` logs: upstream's MEMORY_KEYS plus ``mem-ooms`` on CUDA, the
-    ``mem-rss-*`` keys without CUDA, and the ``mem-*activation*`` keys always."""
+    ``mem-rss-*`` keys without CUDA, the ``mem-*activation*`` keys always, and
+    ``mem-optimizer-state-bytes`` once an optimizer is tracked."""
     device_keys = {**MEMORY_KEYS, **CUDA_EXTRA_MEMORY_KEYS} if _cuda_in_use() else HOST_MEMORY_KEYS
-    return {**device_keys, **ACTIVATION_MEMORY_KEYS}
+    return {**device_keys, **ACTIVATION_MEMORY_KEYS, **OPTIMIZER_MEMORY_KEYS}
 
 
 def _gigabytes(num_bytes: float) -> float:
@@ -102,6 +126,7 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict:
     """
     stats = dict(torch.cuda.memory_stats()) if _cuda_in_use() else _host_memory_stats()
     stats.update(_activation_memory_stats())
+    stats.update(OPTIMIZER_STATE_MEMORY.stats())
     keys = memory_keys if memory_keys else default_memory_keys()
     report: dict = {}
     for stat_key, name in keys.items():

@@ -41,11 +41,16 @@ def num_parameters_per_rank(m, pp_rank: int) -> float:
 def report_theoretical_memory(config, num_microbatches: int | None = None, verbose: bool = False) -> float:
     """Print (on the calling rank) and return the weight-and-optimizer memory, in MB, that a rank of
     the most loaded pipeline stage needs: 16 bytes per parameter (fp32 weight, fp32 gradient, two fp32
-    Adam moments), 18 with bf16 (plus the bf16 compute copy). An estimate, not a measurement;
-    activation memory is not estimated here."""
+    Adam moments), 18 with bf16 (plus the bf16 compute copy). The distributed optimizer divides the
+    optimizer's share by the data-parallel size: 8 + 8 / dp, or upstream's 6 + 12 / dp with bf16. An
+    estimate, not a measurement; activation memory is not estimated here."""
     m = config.model
     params = max(num_parameters_per_rank(m, rank) for rank in {0, m.pipeline_model_parallel_size - 1})
-    bytes_per_param = 18 if getattr(m, "bf16", False) else 16
+    bf16 = getattr(m, "bf16", False)
+    bytes_per_param = 18 if bf16 else 16
+    if config.optimizer.use_distributed_optimizer:
+        dp = config.data_parallel_size * m.context_parallel_size  # sharded over dp x cp
+        bytes_per_param = 6 + 12 / dp if bf16 else 8 + 8 / dp
     megabytes = params * bytes_per_param / (1024 * 1024)
     if verbose:
         print(

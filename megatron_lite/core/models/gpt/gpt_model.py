@@ -100,6 +100,10 @@ class GPTModel(nn.Module):
             if share_embeddings_and_output_weights and not pre_process:
                 self.output_layer.weight.shared = True
                 self.output_layer.weight.shared_embedding = True
+        if share_embeddings_and_output_weights and pre_process and not post_process:
+            # Its gradient is all-reduced with the last stage's copy: the distributed optimizer must
+            # shard both alike (param_and_grad_buffer gives each its own bucket).
+            self.embedding.word_embeddings.weight.shared_embedding = True
 
     def set_input_tensor(self, input_tensor) -> None:
         """Give a non-first stage the activation received from the previous stage."""

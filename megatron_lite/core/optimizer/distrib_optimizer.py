@@ -1,0 +1,225 @@
+"""DistributedOptimizer (ZeRO-1 as Megatron does it): optimizer state sharded over data parallelism.
+
+Every data-parallel rank owns the same contiguous 1/dp of each DDP bucket (``bucket.shard``). For
+each parameter overlapping that shard the optimizer keeps an fp32 main parameter for the overlap
+only (a view into the parameter buffer for fp32 models, an fp32 copy for bf16 ones) and AdamW state
+for it. A step reads the reduce-scattered gradient shard, clips by the global norm (the shards'
+squares summed over dp, then over the model-parallel group), updates the shard, writes it into the
+parameter buffer, and all-gathers every bucket's parameters back (asynchronously with
+``overlap_param_gather``).
+
+Checkpoints use upstream's legacy ``dp_zero`` form: ``get_parameter_state_dp_zero`` gathers the
+shards on dp rank 0 into one fp32 tensor per buffer and key (``param``, ``exp_avg``, ``exp_avg_sq``)
+with bucket padding removed, so a load may use another data-parallel size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig
+from megatron_lite.core.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class _ShardRange:
+    """The part ``[start, end)`` (flat, within ``param``) of one parameter in this rank's shard."""
+
+    def __init__(self, param, buffer, bucket, start, end, local_start):
+        self.param, self.buffer, self.bucket = param, buffer, bucket
+        self.start, self.end = start, end
+        self.local_start = local_start  # where it sits in this rank's shard of the bucket
+        begin = buffer.param_index_map[param][0]
+        self.model_view = buffer.param_data[begin + start : begin + end]
+        self.grad_view = buffer.grad_data[begin + start : begin + end]
+        # fp32 model: update the parameter buffer in place; otherwise an fp32 master copy.
+        fp32 = param.dtype == torch.float32
+        self.main = self.model_view if fp32 else self.model_view.detach().float()
+
+
+def _shard_ranges(model_chunks) -> list[_ShardRange]:
+    ranges = []
+    for chunk in model_chunks:
+        for buffer in chunk.buffers:
+            for bucket in buffer.buckets:
+                shard_size = bucket.grad_data.numel() // bucket.dp_size
+                lo = bucket.offset + bucket.dp_rank * shard_size
+                hi = lo + shard_size
+                for p in bucket.params:
+                    begin, end, _ = buffer.param_index_map[p]
+                    a, b = max(begin, lo), min(end, hi)
+                    if a < b:
+                        ranges.append(_ShardRange(p, buffer, bucket, a - begin, b - begin, a - lo))
+    return ranges
+
+
+class DistributedOptimizer:
+    """MegatronOptimizer's interface (step, zero_grad, state dicts, norms) over sharded state."""
+
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        model_chunks,
+        *,
+        model_parallel_group=None,
+        tp_group=None,
+        dp_group=None,
+    ):
+        self.config = config
+        self.model_chunks = model_chunks
+        self.model_parallel_group = model_parallel_group
+        self.dp_group = dp_group
+        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        assert all(chunk.use_distributed_optimizer for chunk in model_chunks), (
+            "DistributedOptimizer needs DistributedDataParallel built with use_distributed_optimizer"
+        )
+        self.ranges = _shard_ranges(model_chunks)
+        self._loaded_step = 0.0
+        decay = [r.main for r in self.ranges if r.param.ndim >= 2]
+        no_decay = [r.main for r in self.ranges if r.param.ndim < 2]
+        groups = [
+            {"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+        ]
+        # Both groups always exist (a rank's shard may hold no matrix, or no bias): the scheduler
+        # and the checkpoint see the same groups on every rank.
+        self.optimizer = torch.optim.AdamW(
+            groups,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return torch.tensor(1.0)
+
+    def _counted(self, r: _ShardRange) -> bool:
+        return not getattr(r.param, "shared", False) and param_is_not_tensor_parallel_duplicate(
+            r.param, self.tp_rank
+        )
+
+    def get_params_norm(self) -> float:
+        """L2 norm of the fp32 main parameters. Collective over the dp and model-parallel groups."""
+        mains = [r.main.detach() for r in self.ranges if self._counted(r)]
+        return get_grad_norm_fp32(mains, self.model_parallel_group, data_parallel_group=self.dp_group)
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float, None]:
+        """Clip, update this rank's shard, all-gather the parameters. Collective over the dp and
+        model-parallel groups. A non-finite global gradient norm skips the update on every rank."""
+        for r in self.ranges:
+            r.main.grad = r.grad_view
+        grads = [r.grad_view for r in self.ranges if self._counted(r)]
+        grad_norm = get_grad_norm_fp32(grads, self.model_parallel_group, data_parallel_group=self.dp_group)
+        if not math.isfinite(grad_norm):
+            return False, grad_norm, None
+        if self.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32([r.grad_view for r in self.ranges], self.config.clip_grad, grad_norm)
+        self.optimizer.step()
+        for r in self.ranges:
+            if r.main is not r.model_view:
+                r.model_view.copy_(r.main)
+        for chunk in self.model_chunks:
+            chunk.start_param_sync()
+        return True, grad_norm, None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the main parameters' gradient views; the gradients live in DDP's buffers."""
+        for r in self.ranges:
+            r.main.grad = None
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state: AdamW moments and the fp32 copies that are not the
+        model's own parameters, measured from the tensors."""
+        total = sum(
+            t.numel() * t.element_size()
+            for state in self.optimizer.state.values()
+            for t in state.values()
+            if torch.is_tensor(t)
+        )
+        return total + sum(r.main.numel() * 4 for r in self.ranges if r.main is not r.model_view)
+
+    # Checkpoints --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Hyper-parameters and the step count; the tensors go to ``distrib_optim.pt``."""
+        steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        step = float(steps[0]) if steps else 0.0
+        return {"param_groups": groups, "step": step, "use_distributed_optimizer": True}
+
+    def load_state_dict(self, state: dict) -> None:
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+            group.update(saved)
+        self._loaded_step = state["step"]
+
+    def _buffers(self):
+        return [buf for chunk in self.model_chunks for buf in chunk.buffers]
+
+    def get_parameter_state_dp_zero(self) -> dict | None:
+        """Every rank's shards gathered on dp rank 0, bucket padding removed (upstream's legacy
+        form). Collective over the dp group; None on the other ranks."""
+        dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
+        dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+        state: dict = {"buckets_coalesced": True}
+        for index, buffer in enumerate(self._buffers()):
+            numel_unpadded = sum(b.numel_unpadded for b in buffer.buckets)
+            world = {k: torch.zeros(numel_unpadded) for k in ("param", *STATE_KEYS)}
+            offset = 0
+            for bucket in buffer.buckets:
+                shard_size = bucket.grad_data.numel() // dp_size
+                local = {k: torch.zeros(shard_size) for k in world}
+                for r in self.ranges:
+                    if r.bucket is bucket:
+                        n = r.end - r.start
+                        moments = self.optimizer.state.get(r.main, {})
+                        local["param"][r.local_start : r.local_start + n] = r.main.detach().cpu()
+                        for k in STATE_KEYS:
+                            if k in moments:
+                                local[k][r.local_start : r.local_start + n] = moments[k].cpu()
+                for k, tensor in local.items():
+                    gathered = [torch.zeros_like(tensor) for _ in range(dp_size)] if dp_rank == 0 else None
+                    if dp_size > 1:
+                        dist.gather(tensor, gathered, group=self.dp_group, group_dst=0)
+                    else:
+                        gathered = [tensor]
+                    if dp_rank == 0:
+                        world[k][offset : offset + bucket.numel_unpadded] = torch.cat(gathered)[
+                            : bucket.numel_unpadded
+                        ]
+                offset += bucket.numel_unpadded
+            world["numel_unpadded"] = numel_unpadded
+            state[index] = {str(buffer.grad_data.dtype): world, "dtype": str(buffer.param_data.dtype)}
+        state["per_bucket_numel_unpadded"] = [
+            [b.numel_unpadded for b in buf.buckets] for buf in self._buffers()
+        ]
+        return state if dp_rank == 0 else None
+
+    def per_bucket_numel_unpadded(self) -> list[list[int]]:
+        return [[b.numel_unpadded for b in buf.buckets] for buf in self._buffers()]
+
+    @torch.no_grad()
+    def load_parameter_state_from_dp_zero(self, state: dict) -> None:
+        """Take this rank's shard of every saved tensor (any saved dp size: offsets are unpadded)."""
+        step = torch.tensor(self._loaded_step, dtype=torch.float32)
+        buffers = self._buffers()
+        for r in self.ranges:
+            world = state[buffers.index(r.buffer)][str(r.buffer.grad_data.dtype)]
+            at = r.buffer.param_unpadded_start[r.param] + r.start
+            n = r.end - r.start
+            r.main.copy_(world["param"][at : at + n])
+            if r.main is not r.model_view:
+                r.model_view.copy_(r.main)
+            if step.item() > 0:
+                moments = {k: world[k][at : at + n].clone().to(r.main.device) for k in STATE_KEYS}
+                self.optimizer.state[r.main] = {"step": step.clone(), **moments}
