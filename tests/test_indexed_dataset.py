@@ -89,3 +89,16 @@ def test_bad_header_is_refused(tmp_path):
     (tmp_path / "x.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="bad header"):
         ours.IndexedDataset(str(tmp_path / "x"))
+
+
+def test_bulk_add_documents_writes_what_upstream_add_document_writes(tmp_path):
+    docs = [[3, 4], [], [5], [6, 7, 8]]
+    bulk = ours.IndexedDatasetBuilder(str(tmp_path / "bulk.bin"), dtype=np.uint16)
+    bulk.add_documents(np.array([t for d in docs for t in d]), [len(d) for d in docs])
+    bulk.finalize(str(tmp_path / "bulk.idx"))
+    one_by_one = upstream.IndexedDatasetBuilder(str(tmp_path / "one.bin"), dtype=np.uint16)
+    for d in docs:
+        one_by_one.add_document(torch.tensor(d, dtype=torch.int64), [len(d)] if d else [])
+    one_by_one.finalize(str(tmp_path / "one.idx"))
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"bulk{ext}").read_bytes() == (tmp_path / f"one{ext}").read_bytes()

@@ -4,16 +4,12 @@ checked against transformers' pure-Python GPT2Tokenizer and megatron-core's Null
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from dist_helpers import REPO
+from corpus_helpers import make_corpus
 
 from megatron_lite.training.config_errors import ConfigError
 from megatron_lite.training.tokenizers import TokenizerConfig, build_tokenizer
-
-sys.path.insert(0, str(REPO / "tools"))
-import stdlib_corpus  # noqa: E402
 
 TEXTS = [
     "Return the number of items in a container.",
@@ -25,10 +21,14 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def bpe_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bpe")
-    stdlib_corpus.write_jsonl(str(root / "docs.jsonl"), max_bytes=200_000)
-    stdlib_corpus.train_gpt2_bpe(str(root / "docs.jsonl"), str(root), vocab_size=600)
-    return root / "vocab.json", root / "merges.txt"
+    _docs, vocab, merges = make_corpus(tmp_path_factory.mktemp("bpe"), max_bytes=200_000, vocab_size=600)
+    return vocab, merges
+
+
+def _gpt2(vocab, merges):
+    return build_tokenizer(
+        TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
+    )
 
 
 def test_gpt2_bpe_matches_transformers_pure_python_gpt2_tokenizer(bpe_files):
@@ -46,6 +46,27 @@ def test_gpt2_bpe_matches_transformers_pure_python_gpt2_tokenizer(bpe_files):
     assert ours.tokenize_batch(TEXTS) == [oracle.encode(t) for t in TEXTS]
     assert ours.vocab_size == len(oracle) == len(json.loads(vocab.read_text()))
     assert ours.eod == oracle.convert_tokens_to_ids("<|endoftext|>")
+
+
+def test_gpt2_fast_path_equals_the_tokenizers_bpe_on_real_text(bpe_files):
+    ours = _gpt2(*bpe_files)
+    assert ours._fast is not None  # tiktoken encodes; tokenizers' BPE is the reference here
+    texts = [json.loads(line)["text"] for line in (bpe_files[0].parent / "docs.jsonl").open()]
+    reference = [e.ids for e in ours._tokenizer.encode_batch(texts, add_special_tokens=False)]
+    assert ours.tokenize_batch(texts) == reference
+
+
+def test_gpt2_files_tiktoken_cannot_reproduce_fall_back_to_tokenizers(tmp_path, bpe_files):
+    from transformers import GPT2Tokenizer
+
+    vocab = json.loads(bpe_files[0].read_text())
+    merged = sorted((i for t, i in vocab.items() if len(t) > 1 and t != "<|endoftext|>"))
+    swap = {merged[0]: merged[-1], merged[-1]: merged[0]}  # two merges' ids out of merge order
+    (tmp_path / "vocab.json").write_text(json.dumps({t: swap.get(i, i) for t, i in vocab.items()}))
+    ours = _gpt2(tmp_path / "vocab.json", bpe_files[1])
+    assert ours._fast is None
+    oracle = GPT2Tokenizer(vocab_file=str(tmp_path / "vocab.json"), merges_file=str(bpe_files[1]))
+    assert [ours.tokenize(t) for t in TEXTS] == [oracle.encode(t) for t in TEXTS]
 
 
 def test_huggingface_tokenizer_from_a_local_directory(tmp_path, bpe_files):

@@ -205,6 +205,18 @@ class IndexedDatasetBuilder:
         if self.multimodal:
             self.sequence_modes.extend(modes if modes is not None else [0] * len(lengths))
 
+    def add_documents(self, tokens, document_lengths) -> None:
+        """Append many one-sequence documents at once (megatron_lite's bulk form of add_document):
+        ``tokens`` holds them back to back; a length of 0 is an empty document with no sequence."""
+        array = numpy.asarray(tokens, dtype=self.dtype)
+        lengths = numpy.asarray(document_lengths, dtype=numpy.int64)
+        self.data_file.write(array.tobytes(order="C"))
+        start = len(self.sequence_lengths)
+        self.sequence_lengths.extend(lengths[lengths > 0].tolist())
+        self.document_indices.extend((start + numpy.cumsum(lengths > 0)).tolist())
+        if self.multimodal:
+            self.sequence_modes.extend([0] * int((lengths > 0).sum()))
+
     def end_document(self) -> None:
         self.document_indices.append(len(self.sequence_lengths))
 

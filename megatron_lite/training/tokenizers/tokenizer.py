@@ -3,8 +3,9 @@
 ``NullTokenizer`` (ids written as space-separated integers; ``eod`` = vocab_size, as upstream),
 ``GPT2BPETokenizer`` (a GPT-2 ``vocab.json`` + ``merges.txt``: byte-level BPE, ``<|endoftext|>`` is
 ``eod``) and ``HuggingFaceTokenizer`` (``tokenizer_model`` = a local directory holding
-``tokenizer.json``, or that file). The BPE work is done by the ``tokenizers`` package (Rust), which
-is what makes tools/preprocess_data.py fast; nothing is ever downloaded.
+``tokenizer.json``, or that file). The BPE work is done in Rust by the ``tokenizers`` package, and
+GPT-2 encoding by tiktoken where its result is provably the same (gpt2_bpe.py), which is what makes
+tools/preprocess_data.py fast; nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections import OrderedDict
 
 from megatron_lite.training.config_errors import ConfigError
 from megatron_lite.training.tokenizers.config import TokenizerConfig
+from megatron_lite.training.tokenizers.gpt2_bpe import tiktoken_encoding
 
 SUPPORTED_TOKENIZERS = ("NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
 _EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
@@ -82,7 +84,8 @@ class _RustTokenizer(MegatronTokenizer):
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         """Many texts in one call into Rust (one thread: preprocess_data parallelises by process)."""
-        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+        encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)  # no offsets
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def detokenize(self, ids: list[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -119,6 +122,16 @@ class GPT2BPETokenizer(_RustTokenizer):
         super().__init__(tok, "<|endoftext|>", vocab_file=vocab_file, merge_file=merge_file)
         if self._eod is None:
             raise ValueError(f"{vocab_file} has no <|endoftext|> token")
+        self._fast = tiktoken_encoding(vocab_file, merge_file, {"<|endoftext|>": self._eod})
+
+    def tokenize(self, text: str) -> list[int]:
+        # Special-token text is encoded as plain text, as upstream's GPT-2 tokenizer does.
+        return self._fast.encode_ordinary(text) if self._fast is not None else super().tokenize(text)
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        if self._fast is None:
+            return super().tokenize_batch(texts)
+        return [self._fast.encode_ordinary(t) for t in texts]
 
 
 class HuggingFaceTokenizer(_RustTokenizer):
