@@ -1,1 +1,6 @@
-"""Tokenizer configuration (Megatron-Bridge's megatron.bridge.training.tokenizers)."""
+"""Tokenizers (Megatron-Bridge's megatron.bridge.training.tokenizers)."""
+
+from megatron_lite.training.tokenizers.config import TokenizerConfig
+from megatron_lite.training.tokenizers.tokenizer import build_tokenizer
+
+__all__ = ["TokenizerConfig", "build_tokenizer"]

@@ -1,7 +1,7 @@
-"""TokenizerConfig: which tokenizer turns text into ids.
+"""TokenizerConfig: which tokenizer turns text into ids (Megatron-Bridge's field names).
 
-The mock data is already token ids (``model.vocab_size`` of them), so megatron_lite needs no
-tokenizer yet; real tokenizers are a later feature and ConfigContainer.validate refuses one set.
+``build_tokenizer`` (tokenizers/tokenizer.py) builds it. Mock data is already ids and needs none;
+real data needs one for its end-of-document id, and the model's vocabulary follows it.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ class TokenizerConfig:
     """Tokenizer selection, with upstream's field names."""
 
     tokenizer_type: str | None = None
-    """Tokenizer class, e.g. GPT2BPETokenizer (not supported yet: None or NullTokenizer)."""
+    """NullTokenizer, GPT2BPETokenizer or HuggingFaceTokenizer; None: no tokenizer (mock data)."""
     tokenizer_model: str | None = None
-    """Tokenizer model file or HuggingFace id (not supported yet: None)."""
+    """HuggingFaceTokenizer: a local directory holding tokenizer.json, or that file (never downloaded)."""
     vocab_size: int | None = None
-    """Vocabulary size of a NullTokenizer; None means model.vocab_size."""
+    """NullTokenizer's vocabulary without its end-of-document id; None means model.vocab_size - 1."""
     vocab_file: str | None = None
-    """Vocabulary file (not supported yet: None)."""
+    """GPT2BPETokenizer: GPT-2's vocab.json."""
     merge_file: str | None = None
-    """BPE merge file (not supported yet: None)."""
+    """GPT2BPETokenizer: GPT-2's merges.txt."""
     metadata_path: str | None = None
     """Tokenizer metadata file (not supported yet: None)."""
