@@ -84,9 +84,10 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    if code != 0 and "RANK" in os.environ:
-        # A failed worker may still hold live process groups whose C++ teardown at interpreter exit
-        # can abort; the loggers are already closed, so leave now with the real exit code.
+    if "RANK" in os.environ:
+        # A worker's process groups (gloo's threads) can abort in their C++ teardown at interpreter
+        # exit, even after a clean destroy; loggers, checkpoints and output are closed and flushed by
+        # now, so leave with the real exit code.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -152,8 +152,10 @@ def test_provide_explicit_flags_and_refusals():
     assert model.pg_collection is cfg._pg_collection  # the forward step finds the groups here
     with pytest.raises(AssertionError, match="vp_stage"):
         cfg.provide(vp_stage=1)
-    with pytest.raises(NotImplementedError, match="virtual pipeline"):
-        _provider(virtual_pipeline_model_parallel_size=2).provide()
+    chunked = _provider(virtual_pipeline_model_parallel_size=2)
+    chunked._pg_collection = cfg._pg_collection
+    second = chunked.provide(vp_stage=1)  # chunk 1 of the first of two stages: no embedding, no loss
+    assert not second.pre_process and not second.post_process
     # Groups are not a dataclass field: the config still serialises into checkpoints.
     assert "_pg_collection" not in dataclasses.asdict(cfg)
     assert cfg.deallocate_pipeline_outputs  # the 1F1B activation bound, as Megatron-Bridge

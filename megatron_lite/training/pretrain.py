@@ -55,5 +55,6 @@ def pretrain(config: ConfigContainer, forward_step_func) -> None:
     finally:
         state.close_loggers(success)
         if success and dist.is_initialized():
+            dist.barrier()  # no rank tears down while another still talks to it
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
