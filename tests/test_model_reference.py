@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers  # the dev extra's independent implementation
 from dist_helpers import run_world
 
 from megatron_lite.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -16,8 +17,6 @@ from megatron_lite.core.models.gpt.gpt_model import GPTModel
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 from megatron_lite.core.utils import cp_positions
-
-transformers = pytest.importorskip("transformers")
 
 HIDDEN, HEADS, GROUPS, HEAD_DIM, LAYERS, FFN, VOCAB, SEQ = 64, 8, 2, 16, 3, 96, 256, 24
 
