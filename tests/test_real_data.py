@@ -48,7 +48,7 @@ def _data(corpus, *extra, split="98,2,0"):
 
 MODEL = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
-    "--micro-batch-size 4 --global-batch-size 16 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 "
+    "--micro-batch-size 8 --global-batch-size 32 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 "
     "--train-iters 60 --eval-interval 6 --eval-iters 1 --log-interval 1 "
     "--pipeline-model-parallel-size 2 --nproc-per-node 4"
 ).split()
@@ -89,6 +89,7 @@ def test_training_on_real_text_falls_below_the_unigram_entropy(corpus, trained):
     assert sorted(losses) == list(range(1, 61))
     assert losses[1] > entropy + 1.0  # starts near ln(384): the model knows nothing yet
     final = np.mean([losses[i] for i in range(56, 61)])
+    # Below what knowing only the token frequencies gives: it has learnt context (here ~3.9 vs 4.5).
     assert final < entropy - 0.3, (final, entropy)
     assert " > padded vocab (size: 320) with 64 dummy tokens (new size: 384)" in straight.stdout
 
