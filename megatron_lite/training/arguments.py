@@ -340,6 +340,18 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             nargs, kind = ("+", int) if kind == "+" else (None, kind)
             profiling.add_argument(flag, dest=dest, type=kind, nargs=nargs, metavar="N", help=help_text)
+    # As upstream, memory history is independent of --profile.
+    profiling.add_argument(
+        "--record-memory-history",
+        action="store_true",
+        help="Record the CUDA allocator's history; snapshots to --memory-snapshot-path (CUDA only).",
+    )
+    profiling.add_argument(
+        "--memory-snapshot-path",
+        default=None,
+        metavar="FILE",
+        help="Snapshot file (default: snapshot.pickle).",
+    )
     for flag, kind in UNSUPPORTED_FLAGS.items():
         dest = "unsupported_" + flag[2:].replace("-", "_")
         if kind == "store_true":
@@ -434,13 +446,20 @@ def _profiling_from_args(args: argparse.Namespace) -> ProfilingConfig | None:
     (upstream would ignore them silently)."""
     given = {name: getattr(args, f[2:].replace("-", "_")) for f, name, _k, _h in PROFILING_FLAGS}
     given = {name: value for name, value in given.items() if value is not None}
+    history = {"record_memory_history": True} if args.record_memory_history else {}
+    if args.memory_snapshot_path is not None:
+        if not args.record_memory_history:
+            raise ConfigError("--memory-snapshot-path", "needs --record-memory-history")
+        history["memory_snapshot_path"] = args.memory_snapshot_path
     if not args.profile:
         if given:
             flag = next(f for f, name, _k, _h in PROFILING_FLAGS if name in given)
             raise ConfigError(flag, "needs --profile")
-        return None
+        return ProfilingConfig(use_nsys_profiler=False, **history) if history else None
     torch_profiler = given.pop("use_pytorch_profiler", False)
-    return ProfilingConfig(use_pytorch_profiler=torch_profiler, use_nsys_profiler=not torch_profiler, **given)
+    return ProfilingConfig(
+        use_pytorch_profiler=torch_profiler, use_nsys_profiler=not torch_profiler, **given, **history
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> ConfigContainer:

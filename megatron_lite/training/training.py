@@ -23,6 +23,7 @@ from megatron_lite.training.profiling import (
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 from megatron_lite.training.utils.flop_utils import num_floating_point_operations
 from megatron_lite.training.utils.loss_reduction import accumulate_loss_reports, reduce_loss_reports
+from megatron_lite.training.utils.memory_history import dump_memory_snapshot
 from megatron_lite.training.utils.pipeline_memory import (
     headline_name,
     peak_stage_metrics,
@@ -200,6 +201,13 @@ def train(forward_step_func, setup_output) -> None:
                 memory_report=memory_report,
             )
             handle_profiling_stop(prof_config, ts.step, rank, prof, nsys_context)
+            if (
+                prof_config is not None
+                and prof_config.record_memory_history
+                and ts.step % config.logger.log_interval == 0
+                and rank == dist.get_world_size() - 1  # as upstream: the last rank's history
+            ):
+                dump_memory_snapshot(prof_config.memory_snapshot_path)
             if (
                 config.validation.eval_interval
                 and ts.step % config.validation.eval_interval == 0
