@@ -46,7 +46,7 @@ from megatron_lite.training.gpt_step import forward_step  # noqa: E402
 from megatron_lite.training.state import GlobalState  # noqa: E402
 from megatron_lite.training.utils.activation_memory import ActivationMemoryTracker  # noqa: E402
 
-PP, LAYERS, HIDDEN, HEADS, SEQ, MBS, GBS, VOCAB = 4, 8, 256, 8, 128, 2, 16, 8192
+PP, LAYERS, HEADS, MBS, GBS = 4, 8, 8, 2, 16
 MICROBATCHES = GBS // MBS
 VIRTUAL_STAGES = {"1f1b": 1, "interleaved": 2}  # schedule -> model chunks per rank
 OURS, PEER = "megatron_lite", "torch.pipelining"
@@ -62,7 +62,7 @@ class TorchPipelineStage(nn.Module):
 
     def forward(self, x):
         g = self.gpt
-        hidden = g.embedding(x, torch.arange(SEQ).expand_as(x)) if g.pre_process else x
+        hidden = g.embedding(x, torch.arange(x.shape[1]).expand_as(x)) if g.pre_process else x
         hidden = g.decoder(hidden)
         return g.output_layer(hidden)[0] if g.post_process else hidden
 
@@ -71,37 +71,39 @@ def _loss(logits, labels):
     return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous()).mean()
 
 
-def _provider(vp: int):
+def _provider(vp: int, size: dict):
+    """The benchmarked GPT, ``size`` giving hidden_size, seq_length and vocab_size."""
     return GPTModelProvider(
         num_layers=LAYERS,
-        hidden_size=HIDDEN,
         num_attention_heads=HEADS,
-        vocab_size=VOCAB,
-        seq_length=SEQ,
-        max_position_embeddings=SEQ,
+        max_position_embeddings=size["seq_length"],
+        **size,
         pipeline_model_parallel_size=PP,
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         share_embeddings_and_output_weights=False,
     )
 
 
-def _batches(n):
-    data = MockGPTDataset(vocab_size=VOCAB, sequence_length=SEQ, seed=1, num_samples=n * MBS)
+def _batches(n, cfg):
+    data = MockGPTDataset(
+        vocab_size=cfg.vocab_size, sequence_length=cfg.seq_length, seed=1, num_samples=n * MBS
+    )
     return [{k: torch.stack([data[i * MBS + j][k] for j in range(MBS)]) for k in data[0]} for i in range(n)]
 
 
-def _runners(vp: int, rank: int, pgc: ProcessGroupCollection, batches):
+def _runners(vp: int, rank: int, pgc: ProcessGroupCollection, size: dict):
     """(run(tracker) -> mean loss on the last rank else None, modules) for ours and torch's, each side
     holding this rank's ``vp`` chunks, built by the same provider (layout-independent init: equal
     weights). Running either is collective over the pipeline group."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     chunks = range(vp) if vp > 1 else [None]  # vp_stage None: the plain one-stage-per-rank model
-    cfg = _provider(vp)
+    cfg = _provider(vp, size)
+    batches = _batches(MICROBATCHES, cfg)
     cfg.finalize_model_grads_func = finalize_model_grads
     ours = [DistributedDataParallel(cfg, cfg.provide(vp_stage=c), dp_group=pgc.dp) for c in chunks]
     schedule = get_forward_backward_func(PP, vp)
-    peer_modules = [TorchPipelineStage(_provider(vp).provide(vp_stage=c)) for c in chunks]
+    peer_modules = [TorchPipelineStage(_provider(vp, size).provide(vp_stage=c)) for c in chunks]
     device = torch.device("cpu")
     stages = [
         PipelineStage(m, c * PP + rank, PP * vp, device, group=pgc.pp) for c, m in enumerate(peer_modules)
@@ -121,7 +123,7 @@ def _runners(vp: int, rank: int, pgc: ProcessGroupCollection, batches):
                 data_iterator=[iter(batches) for _ in ours],  # every chunk reads each microbatch once
                 model=ours,
                 num_microbatches=MICROBATCHES,
-                seq_length=SEQ,
+                seq_length=cfg.seq_length,
                 micro_batch_size=MBS,
             )
         return torch.stack([d["lm loss"] for d in store]).mean().item() if last else None
@@ -144,10 +146,10 @@ def _runners(vp: int, rank: int, pgc: ProcessGroupCollection, batches):
     return {OURS: (run_ours, [c.module for c in ours]), PEER: (run_peer, peer_modules)}
 
 
-def _compare(vp: int, rank: int, pgc, batches, rounds: int) -> dict:
+def _compare(vp: int, rank: int, pgc, size: dict, rounds: int) -> dict:
     """Warm-up iteration (activation peaks, first-iteration loss), then ``rounds`` timed rounds,
     ours and torch's alternated. Collective over the pipeline group."""
-    runners = _runners(vp, rank, pgc, batches)
+    runners = _runners(vp, rank, pgc, size)
     result = {"times": {name: [] for name in runners}, "peaks": {}, "loss": {}}
     for name, (run, modules) in runners.items():
         tracker = ActivationMemoryTracker()
@@ -166,14 +168,13 @@ def _compare(vp: int, rank: int, pgc, batches, rounds: int) -> dict:
     return result
 
 
-def worker(rank, port, rounds, schedules, queue):
+def worker(rank, port, rounds, schedules, size, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // PP))
     dist.init_process_group("gloo", rank=rank, world_size=PP)
     ps.initialize_model_parallel(pipeline_model_parallel_size=PP)
     pgc = ProcessGroupCollection.use_mpu_process_groups()
-    batches = _batches(MICROBATCHES)
-    results = {s: _compare(VIRTUAL_STAGES[s], rank, pgc, batches, rounds) for s in schedules}
+    results = {s: _compare(VIRTUAL_STAGES[s], rank, pgc, size, rounds) for s in schedules}
     queue.put((rank, results))
     dist.barrier()
     dist.destroy_process_group()
@@ -208,9 +209,8 @@ def _report(schedule: str, results: list) -> None:
     vp = VIRTUAL_STAGES[schedule]
     last = results[-1][1][schedule]
     if vp == 1:
-        print(
-            f"-- 1F1B: forward_backward_pipelining_without_interleaving vs Schedule1F1B, {LAYERS // PP} layers/rank"
-        )
+        ours = "forward_backward_pipelining_without_interleaving"
+        print(f"-- 1F1B: {ours} vs Schedule1F1B, {LAYERS // PP} layers/rank")
     else:
         per_chunk = LAYERS // (PP * vp)
         held = f"layer c * {PP} + r" if per_chunk == 1 else f"layers from {per_chunk} * (c * {PP} + r)"
@@ -256,9 +256,14 @@ def main() -> None:
     parser.add_argument(
         "--schedule", choices=[*VIRTUAL_STAGES, "both"], default="both", help="which comparison to run"
     )
+    # Megatron's flag names; smaller values make a quick smoke run (the test's).
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=8192)
     args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    if min(args.rounds, args.hidden_size, args.seq_length, args.vocab_size) < 1 or args.hidden_size % HEADS:
+        parser.error(f"sizes and --rounds must be positive, --hidden-size a multiple of {HEADS}")
+    size = {"hidden_size": args.hidden_size, "seq_length": args.seq_length, "vocab_size": args.vocab_size}
     schedules = list(VIRTUAL_STAGES) if args.schedule == "both" else [args.schedule]
     import socket
 
@@ -267,15 +272,18 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, args.rounds, schedules, queue)) for r in range(PP)]
+    procs = [
+        ctx.Process(target=worker, args=(r, port, args.rounds, schedules, size, queue)) for r in range(PP)
+    ]
     for p in procs:
         p.start()
     results = _collect(procs, queue)
     for p in procs:
         p.join()
     print(
-        f"GPT {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, micro-batch {MBS}, global batch {GBS}, "
-        f"vocab {VOCAB}, fp32, pp {PP}, CPU/gloo, {args.rounds} alternated rounds"
+        f"GPT {LAYERS} layers, hidden {args.hidden_size}, {HEADS} heads, seq {args.seq_length}, "
+        f"micro-batch {MBS}, global batch {GBS}, vocab {args.vocab_size}, fp32, pp {PP}, CPU/gloo, "
+        f"{args.rounds} alternated rounds"
     )
     for schedule in schedules:
         _report(schedule, results)
