@@ -272,8 +272,10 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    # Daemons: when one worker fails, the others (stuck in a collective) end with the bench.
     procs = [
-        ctx.Process(target=worker, args=(r, port, args.rounds, schedules, size, queue)) for r in range(PP)
+        ctx.Process(target=worker, args=(r, port, args.rounds, schedules, size, queue), daemon=True)
+        for r in range(PP)
     ]
     for p in procs:
         p.start()
