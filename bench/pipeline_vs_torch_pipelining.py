@@ -2,9 +2,10 @@
 """megatron_lite's pipeline schedules against torch.distributed.pipelining's, same model, same processes.
 
     python bench/pipeline_vs_torch_pipelining.py [--rounds 6] [--schedule {1f1b,interleaved,both}]
+        [--hidden-size 256] [--seq-length 128] [--vocab-size 8192]
 
 GPT: 8 layers, hidden 256, 8 heads, seq 128, micro-batch 2, global batch 16 (8 microbatches), vocab
-8192, fp32, pp = 4 on CPU with gloo. ``1f1b``: our 1F1B against ``Schedule1F1B``, one stage of two
+8192 (smaller sizes make a smoke run), fp32, pp = 4 on CPU with gloo. ``1f1b``: our 1F1B against ``Schedule1F1B``, one stage of two
 layers per rank. ``interleaved``: our interleaved 1F1B against ``ScheduleInterleaved1F1B`` with vp = 2,
 each rank holding two chunks of one layer (Megatron's assignment: chunk c of rank r holds layer
 c * pp + r, torch's stage index c * pp + r). Both sides of a comparison run identically built stage
