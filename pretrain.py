@@ -64,6 +64,10 @@ def worker_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if "--memory-preflight" in argv:  # a prediction only: no worker, no file
+        from megatron_lite.training.memory_preflight import main as preflight
+
+        return preflight(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker_main(argv)
 

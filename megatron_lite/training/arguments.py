@@ -340,6 +340,15 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             nargs, kind = ("+", int) if kind == "+" else (None, kind)
             profiling.add_argument(flag, dest=dest, type=kind, nargs=nargs, metavar="N", help=help_text)
+    preflight = parser.add_argument_group("memory preflight (predict, build nothing, train nothing)")
+    preflight.add_argument(
+        "--memory-preflight",
+        action="store_true",
+        help="Print each stage's predicted memory, the stage that runs out first and the cheapest fix; exit.",
+    )
+    preflight.add_argument(
+        "--device-memory-gb", type=float, metavar="GB", help="The GPU's memory (preflight)."
+    )
     # As upstream, memory history is independent of --profile.
     profiling.add_argument(
         "--record-memory-history",
@@ -379,6 +388,10 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
         if value is not None and name is not None:
             setattr(getattr(config, section), name, value)
     config.profiling = _profiling_from_args(args)
+    if args.memory_preflight or args.device_memory_gb is not None:
+        raise ConfigError(
+            "--memory-preflight", "is a mode of pretrain.py: give it with --device-memory-gb GB"
+        )
     t, m = config.train, config.model
     _architecture_from_args(args, m)
     if args.train_samples is not None and args.train_iters is None:
@@ -462,16 +475,22 @@ def _profiling_from_args(args: argparse.Namespace) -> ProfilingConfig | None:
     )
 
 
+def config_from_argv(argv: list[str] | None) -> ConfigContainer:
+    """Parse and validate; bad values raise ConfigError (argparse itself still exits on unknown flags).
+    validate() warns about values it adjusts, as upstream."""
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    config.validate()
+    return config
+
+
 def parse_args(argv: list[str] | None = None) -> ConfigContainer:
     """Parse and validate. Bad input: one line on stderr naming the flag and the fix, exit code 2."""
-    args = build_parser().parse_args(argv)
     try:
-        config = config_from_args(args)
-        # validate() warns about values it adjusts (as upstream); the user sees each as one note line
-        # on stdout, so stderr keeps only errors.
+        # The user sees each adjustment as one note line on stdout, so stderr keeps only errors.
         with warnings.catch_warnings(record=True) as adjusted:
             warnings.simplefilter("always")
-            config.validate()
+            config = config_from_argv(argv)
     except ConfigError as err:
         print(f"pretrain.py: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
