@@ -338,6 +338,27 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             nargs, kind = ("+", int) if kind == "+" else (None, kind)
             profiling.add_argument(flag, dest=dest, type=kind, nargs=nargs, metavar="N", help=help_text)
+    preflight = parser.add_argument_group("memory preflight (predict, build nothing, train nothing)")
+    preflight.add_argument(
+        "--memory-preflight",
+        action="store_true",
+        help="Print each stage's predicted memory, the stage that runs out first and the cheapest fix; exit.",
+    )
+    preflight.add_argument(
+        "--device-memory-gb", type=float, metavar="GB", help="The GPU's memory (preflight)."
+    )
+    # As upstream, memory history is independent of --profile.
+    profiling.add_argument(
+        "--record-memory-history",
+        action="store_true",
+        help="Record the CUDA allocator's history; snapshots to --memory-snapshot-path (CUDA only).",
+    )
+    profiling.add_argument(
+        "--memory-snapshot-path",
+        default=None,
+        metavar="FILE",
+        help="Snapshot file (default: snapshot.pickle).",
+    )
     for flag, kind in UNSUPPORTED_FLAGS.items():
         dest = "unsupported_" + flag[2:].replace("-", "_")
         if kind == "store_true":
@@ -367,6 +388,10 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
             setattr(getattr(config, section), name, value)
     dataset_from_args(args, config)
     config.profiling = _profiling_from_args(args)
+    if args.memory_preflight or args.device_memory_gb is not None:
+        raise ConfigError(
+            "--memory-preflight", "is a mode of pretrain.py: give it with --device-memory-gb GB"
+        )
     t, m = config.train, config.model
     _architecture_from_args(args, m)
     if args.train_samples is not None and args.train_iters is None:
@@ -434,25 +459,38 @@ def _profiling_from_args(args: argparse.Namespace) -> ProfilingConfig | None:
     (upstream would ignore them silently)."""
     given = {name: getattr(args, f[2:].replace("-", "_")) for f, name, _k, _h in PROFILING_FLAGS}
     given = {name: value for name, value in given.items() if value is not None}
+    history = {"record_memory_history": True} if args.record_memory_history else {}
+    if args.memory_snapshot_path is not None:
+        if not args.record_memory_history:
+            raise ConfigError("--memory-snapshot-path", "needs --record-memory-history")
+        history["memory_snapshot_path"] = args.memory_snapshot_path
     if not args.profile:
         if given:
             flag = next(f for f, name, _k, _h in PROFILING_FLAGS if name in given)
             raise ConfigError(flag, "needs --profile")
-        return None
+        return ProfilingConfig(use_nsys_profiler=False, **history) if history else None
     torch_profiler = given.pop("use_pytorch_profiler", False)
-    return ProfilingConfig(use_pytorch_profiler=torch_profiler, use_nsys_profiler=not torch_profiler, **given)
+    return ProfilingConfig(
+        use_pytorch_profiler=torch_profiler, use_nsys_profiler=not torch_profiler, **given, **history
+    )
+
+
+def config_from_argv(argv: list[str] | None) -> ConfigContainer:
+    """Parse and validate; bad values raise ConfigError (argparse itself still exits on unknown flags).
+    The mapping and validate() warn about values they adjust, as upstream."""
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    config.validate()
+    return config
 
 
 def parse_args(argv: list[str] | None = None) -> ConfigContainer:
     """Parse and validate. Bad input: one line on stderr naming the flag and the fix, exit code 2."""
-    args = build_parser().parse_args(argv)
     try:
-        # The mapping and validate() warn about values they adjust (as upstream); the user sees each
-        # as one note line on stdout, so stderr keeps only errors.
+        # The user sees each adjustment as one note line on stdout, so stderr keeps only errors.
         with warnings.catch_warnings(record=True) as adjusted:
             warnings.simplefilter("always")
-            config = config_from_args(args)
-            config.validate()
+            config = config_from_argv(argv)
     except ConfigError as err:
         print(f"pretrain.py: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

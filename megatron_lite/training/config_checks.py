@@ -87,10 +87,15 @@ def check_supported(cfg) -> None:
     if p is not None:
         _refuse(
             {
-                "--record-memory-history": p.record_memory_history,
                 "--pytorch-profiler-collect-chakra": p.pytorch_profiler_collect_chakra,
             }
         )
+        if p.record_memory_history and not torch.cuda.is_available():
+            raise ConfigError(
+                "--record-memory-history",
+                "records the CUDA caching allocator's history, which needs CUDA; this machine has no GPU "
+                "(on CPU the memory/* dashboards and the OOM post-mortem still explain memory)",
+            )
         if p.use_nsys_profiler and not torch.cuda.is_available():
             raise ConfigError(
                 "--profile",

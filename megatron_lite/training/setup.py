@@ -19,6 +19,7 @@ from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.initialize import initialize_megatron
 from megatron_lite.training.state import GlobalState
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
+from megatron_lite.training.utils.memory_attribution import MODEL_MEMORY
 from megatron_lite.training.utils.memory_utils import OPTIMIZER_STATE_MEMORY
 
 
@@ -128,7 +129,8 @@ def setup(state: GlobalState) -> SetupOutput:
         optimizer = MegatronOptimizer(
             config.optimizer, model, model_parallel_group=pg_collection.mp, tp_group=pg_collection.tp
         )
-    OPTIMIZER_STATE_MEMORY.track(optimizer)  # the memory report measures its state
+    OPTIMIZER_STATE_MEMORY.track(optimizer)  # the memory report measures its state,
+    MODEL_MEMORY.track(model)  # and the chunks' weights and gradient buffers
     scheduler = get_optimizer_param_scheduler(config, optimizer)
     if config.checkpoint.load:
         checkpointing.load_checkpoint(state, model, optimizer, scheduler, pg_collection)
