@@ -172,6 +172,7 @@ def check_ranges(cfg) -> None:
         "--lr-warmup-iters": s.lr_warmup_iters,
         "--lr-warmup-samples": s.lr_warmup_samples,
         "--lr-warmup-init": s.lr_warmup_init,
+        "--num-workers": getattr(cfg.dataset, "num_workers", 0),
     }.items():
         if value < 0:
             raise ConfigError(flag, f"must be >= 0, got {value}")
