@@ -56,9 +56,20 @@ def candidate_changes(config) -> list[Change]:
     m = config.model
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     vp = m.virtual_pipeline_model_parallel_size or 1
-    sp = [None] if m.sequence_parallel or tp == 1 else [None, Change(("--sequence-parallel",), 0.0, "")]
+    sp = (
+        [None]
+        if m.sequence_parallel or tp == 1
+        else [
+            None,
+            Change(("--sequence-parallel",), 0.0, "sequence parallel: norms and dropout split over tp"),
+        ]
+    )
     distributed = config.optimizer.use_distributed_optimizer or config.data_parallel_size == 1
-    distopt = [None] if distributed else [None, Change(("--use-distributed-optimizer",), 0.01, "")]
+    distopt = (
+        [None]
+        if distributed
+        else [None, Change(("--use-distributed-optimizer",), 0.01, "optimizer state sharded over dp")]
+    )
     recompute = [None] + (
         [] if m.recompute_granularity == "full" else _recompute_changes(m.num_layers // (pp * vp))
     )
@@ -78,9 +89,7 @@ def candidate_changes(config) -> list[Change]:
         chosen = [c for c in parts if c is not None]
         if chosen:
             flags = tuple(f for c in chosen for f in c.flags)
-            combos.append(
-                Change(flags, sum(c.cost for c in chosen), "; ".join(c.why for c in chosen if c.why))
-            )
+            combos.append(Change(flags, sum(c.cost for c in chosen), "; ".join(c.why for c in chosen)))
     return sorted(combos, key=lambda c: (c.cost, len(c.flags)))
 
 
