@@ -23,6 +23,8 @@ from megatron_lite.training.profiling import (
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 from megatron_lite.training.utils.flop_utils import num_floating_point_operations
 from megatron_lite.training.utils.loss_reduction import accumulate_loss_reports, reduce_loss_reports
+from megatron_lite.training.utils.metrics_writer import MetricsWriter
+from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage, predicted_memory_metrics
 from megatron_lite.training.utils.train_utils import (
     device_memory_capacity_gigabytes,
     gather_memory_across_pp_group,
@@ -131,6 +133,11 @@ def train(forward_step_func, setup_output) -> None:
     if should_profile_rank(prof_config, rank) and prof_config.use_pytorch_profiler:
         prof = initialize_pytorch_profiler(prof_config, config.logger.tensorboard_dir)
         prof.start()
+    if config.logger.log_memory_to_tensorboard:
+        # The prediction is a pure function of the config: the writer logs it alone, no collective.
+        MetricsWriter.from_state(state).write(
+            predicted_memory_metrics(predict_memory_per_stage(config)), ts.step
+        )
     with handler:
         timers("interval-time", log_level=0).start()
         while ts.step < config.train.train_iters:

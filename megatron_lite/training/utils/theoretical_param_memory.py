@@ -181,4 +181,9 @@ def param_memory(config, pp_rank: int) -> dict[str, int]:
             pieces = [p.numel for p in specs]
         # exp_avg and exp_avg_sq in fp32, a 4-byte ``step`` tensor, and an fp32 master if needed.
         optimizer += sum(8 * n + 4 + (4 * n if low_precision else 0) for n in pieces)
-    return {"parameters": params, "weights_bytes": weights, "grads_bytes": grads, "optimizer_state_bytes": optimizer}
+    return {
+        "parameters": params,
+        "weights_bytes": weights,
+        "grads_bytes": grads,
+        "optimizer_state_bytes": optimizer,
+    }
