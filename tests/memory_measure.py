@@ -49,7 +49,13 @@ def _train_and_measure(rank, world, argv):
 
 def measure(argv: list[str], world: int, tb_dir) -> list[dict[str, tuple[float, float]]]:
     """Per stage: ``{quantity: (measured GB, predicted GB)}`` for TP rank 0 / DP rank 0 of the stage."""
-    argv = [*argv, "--log-memory-to-tensorboard", "--log-memory-per-pp-stage", "--tensorboard-dir", str(tb_dir)]
+    argv = [
+        *argv,
+        "--log-memory-to-tensorboard",
+        "--log-memory-per-pp-stage",
+        "--tensorboard-dir",
+        str(tb_dir),
+    ]
     ranks = run_world(_train_and_measure, world, argv)
     acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
     acc.Reload()

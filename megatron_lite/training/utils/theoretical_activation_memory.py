@@ -41,15 +41,19 @@ def _rotary_dim(m) -> int:
     return int(m.kv_channels * m.rotary_percent) if m.rotary_percent < 1.0 else m.kv_channels
 
 
+def norm_keeps_input(m) -> bool:
+    """Whether a norm saves its input tensor itself: LayerNorm does; RMSNorm computes in fp32 and
+    saves that upcast, the input itself only when it is fp32 already."""
+    return m.normalization == "LayerNorm" or not (m.bf16 or m.fp16)
+
+
 def _norm_saves(x: Shape, name: str) -> dict[str, int]:
-    """A norm saves its input and statistics: LayerNorm mean and rstd; RMSNorm rstd and x * rstd."""
+    """A norm's saves: LayerNorm its input and mean and rstd (activation dtype); RMSNorm the fp32
+    input, its rstd and x * rstd (all fp32, whatever the activation dtype)."""
     h, t = x.m.hidden_size, x.norm_tokens
-    saves = {f"{name}.input": t * h * x.elt}
     if x.m.normalization == "LayerNorm":
-        saves[f"{name}.stats"] = 2 * t * x.elt
-    else:
-        saves[f"{name}.stats"] = t * x.elt + t * h * x.elt
-    return saves
+        return {f"{name}.input": t * h * x.elt, f"{name}.stats": 2 * t * x.elt}
+    return {f"{name}.input": t * h * 4, f"{name}.stats": t * 4 + t * h * 4}
 
 
 def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
@@ -176,7 +180,7 @@ def chunk_activations(x: Shape, layers: int, pre: bool, post: bool) -> ChunkActi
     # scatter's chunk is contiguous, so no copy is made): the full sequence's storage stays alive.
     sp_first = (x.tokens - x.norm_tokens) * m.hidden_size * x.elt if pre and m.sequence_parallel else 0
     if m.recompute_granularity != "full" or layers == 0:
-        kept = emb + sp_first + layers * layer + out
+        kept = emb + (sp_first if norm_keeps_input(m) and layers else 0) + layers * layer + out
         peak = kept
         if m.recompute_granularity == "selective" and layers:
             peak = max(kept, kept - out + selective_transient(x))
@@ -192,14 +196,16 @@ def chunk_activations(x: Shape, layers: int, pre: bool, post: bool) -> ChunkActi
     rope = 0
     if m.position_embedding_type == "rope" and units:  # the angles are a checkpoint argument too
         rope = x.local_seq * _rotary_dim(m) * 4
-    kept = emb + rope + sum(inputs) + whole * layer + out + (sp_first if not units else 0)
+    kept = emb + rope + sum(inputs) + whole * layer + out
     # Backward: the loss, output layer and the whole layers go first; then each unit, last first,
     # re-saves its layers while the inputs of it and of the units before it are still held. Its first
-    # layer's norm saves the unit input again only where that was split over TP (a gathered copy).
+    # norm saves the kept input's own storage unless that was split over TP (then a gathered copy)
+    # or the norm saves an fp32 upcast instead.
+    shared = not distribute and norm_keeps_input(m)
     peak = kept
     for u, unit in enumerate(units):
         held = emb + rope + sum(inputs[: u + 1]) + len(unit) * layer
-        if not distribute:
+        if shared:
             held -= unit_input  # the recompute's first norm saves the very storage kept as the input
         peak = max(peak, held)
     return ChunkActivations(layers, kept, peak, emb, out)
