@@ -82,7 +82,7 @@ def main() -> int:
     for name, layout in LAYOUTS.items():
         with tempfile.TemporaryDirectory() as tmp:
             os.chdir(tmp)
-            stages = measure(argv(*layout), 4, os.path.join(tmp, "tb"))
+            stages = measure(argv(*layout), 4, os.path.join(tmp, "tb"), quiet=True)
         for stage, quantities in enumerate(stages):
             cells = ""
             for q in QUANTITIES:

@@ -21,8 +21,12 @@ PREDICTED_TAGS = {
 }
 
 
-def _train_and_measure(rank, world, argv):
-    """pretrain() on this rank; then the bytes of its parameters and DDP gradient buffers."""
+def _train_and_measure(rank, world, argv, quiet):
+    """pretrain() on this rank; then the bytes of its parameters, DDP gradient buffers and optimizer
+    state (the latter exact, beside the logged value rounded to 5 digits)."""
+    import contextlib
+    import os
+
     import torch.distributed as dist
 
     import megatron_lite.training.pretrain as pretrain_module
@@ -35,20 +39,33 @@ def _train_and_measure(rank, world, argv):
     def recording_setup(state):
         s = real_setup(state)
         pg = s.pg_collection
-        captured.update(s=s, ranks=tuple(dist.get_rank(g) for g in (pg.pp, pg.tp, pg.dp)))
+        captured.update(
+            s=s, ranks=tuple(0 if g is None else dist.get_rank(g) for g in (pg.pp, pg.tp, pg.cp, pg.dp))
+        )
         return s
 
     pretrain_module.setup = recording_setup
-    pretrain_module.pretrain(parse_args(argv), forward_step)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull if quiet else None):
+        pretrain_module.pretrain(parse_args(argv), forward_step)
     chunks = captured["s"].model
     weights = sum(p.numel() * p.element_size() for c in chunks for p in c.module.parameters())
     grads = sum(b.grad_data.numel() * b.grad_data.element_size() for c in chunks for b in c.buffers)
-    pp, tp, dp = captured["ranks"]
-    return {"pp": pp, "tp": tp, "dp": dp, "weights": weights / 1e9, "grads": grads / 1e9}
+    pp, tp, cp, dp = captured["ranks"]
+    optimizer = captured["s"].optimizer.optimizer_state_bytes()
+    return {
+        "pp": pp,
+        "tp": tp,
+        "cp": cp,
+        "dp": dp,
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optimizer,
+    }
 
 
-def measure(argv: list[str], world: int, tb_dir) -> list[dict[str, tuple[float, float]]]:
-    """Per stage: ``{quantity: (measured GB, predicted GB)}`` for TP rank 0 / DP rank 0 of the stage."""
+def measure(argv: list[str], world: int, tb_dir, quiet: bool = False) -> list[dict[str, tuple[float, float]]]:
+    """Per stage: ``{quantity: (measured GB, predicted GB)}`` for TP, CP and DP rank 0 of the stage
+    (``quiet``: the workers' console output is dropped)."""
     argv = [
         *argv,
         "--log-memory-to-tensorboard",
@@ -56,7 +73,7 @@ def measure(argv: list[str], world: int, tb_dir) -> list[dict[str, tuple[float, 
         "--tensorboard-dir",
         str(tb_dir),
     ]
-    ranks = run_world(_train_and_measure, world, argv)
+    ranks = run_world(_train_and_measure, world, argv, quiet)
     acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -67,9 +84,11 @@ def measure(argv: list[str], world: int, tb_dir) -> list[dict[str, tuple[float, 
         return acc.Scalars(tag)[-1].value
 
     stages = []
-    for r in sorted((r for r in ranks if r["tp"] == 0 and r["dp"] == 0), key=lambda r: r["pp"]):
+    for r in sorted((r for r in ranks if r["tp"] == r["cp"] == r["dp"] == 0), key=lambda r: r["pp"]):
         stage = r["pp"]
-        measured = {"weights": r["weights"], "grads": r["grads"]}
-        measured.update({q: last(stage, tag) for q, tag in MEASURED_TAGS.items()})
+        measured = {q: last(stage, tag) for q, tag in MEASURED_TAGS.items()}
+        # The logged optimizer state is the measured key; the exact tensors' bytes must agree with it.
+        assert abs(measured["optimizer"] - r["optimizer"] / 1e9) <= 1e-4 * measured["optimizer"]
+        measured.update(weights=r["weights"] / 1e9, grads=r["grads"] / 1e9, optimizer=r["optimizer"] / 1e9)
         stages.append({q: (measured[q], last(stage, PREDICTED_TAGS[q])) for q in QUANTITIES})
     return stages
