@@ -39,7 +39,6 @@ LAYOUTS = {
     "tp2 pp2": (2, 2, 1, 1, ""),
     "tp2 pp2 sp": (2, 2, 1, 1, "--sequence-parallel"),
     "tp2 pp2 sp full": (2, 2, 1, 1, f"--sequence-parallel {FULL}"),
-    "tp2 pp2 full distributed": (2, 2, 1, 1, f"{FULL} --distribute-saved-activations"),
     "tp1 pp2 vp2 dp2 distopt": (1, 2, 2, 1, "--use-distributed-optimizer"),
     "tp1 pp2 vp2 dp2 distopt block": (
         1,

@@ -31,8 +31,8 @@ FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-
 LAYOUTS = {
     "tp1-pp4-bf16": (1, 4, 1, ["--bf16"]),
     "tp1-pp4-full": (1, 4, 1, FULL),
-    "tp2-pp2-sp": (2, 2, 1, ["--sequence-parallel"]),
-    "tp2-pp2-full2-distributed": (2, 2, 1, [*FULL[:-1], "2", "--distribute-saved-activations"]),
+    "tp2-pp2": (2, 2, 1, []),
+    "tp2-pp2-sp-full2": (2, 2, 1, ["--sequence-parallel", *FULL[:-1], "2"]),
     "tp1-pp2-vp2-dp2-distopt": (1, 2, 2, ["--use-distributed-optimizer"]),
     "tp1-pp2-vp2-dp2-distopt-buckets-block": (
         1,

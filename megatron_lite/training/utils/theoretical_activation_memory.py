@@ -125,10 +125,31 @@ def layer_saves(x: Shape, selective: bool = True) -> dict[str, int]:
     return saves
 
 
-def selective_transient(x: Shape) -> int:
-    """The most a selectively recomputed module re-saves in its backward, over what the layer keeps."""
+# What a layer saved after core attention / the MLP: released by the time backward reaches them.
+_AFTER_CORE = (
+    "core_attention.output", "linear_proj.input", "attention.dropout.mask", "pre_mlp_layernorm.input",
+    "pre_mlp_layernorm.stats", "linear_fc1.input", "linear_fc1.output", "activation.output",
+    "linear_fc2.input", "mlp.dropout.mask",
+)  # fmt: skip
+_MLP = ("linear_fc1.output", "activation.output", "linear_fc2.input")
+
+
+def selective_backward_extra(x: Shape) -> int:
+    """Selective recomputation in backward: the most the last layer's recomputed module re-saves,
+    less what that layer already released after it (its later parts' backward ran first)."""
+    m = x.m
     full, kept = layer_saves(x, selective=False), layer_saves(x)
-    return sum(v for k, v in full.items() if k not in kept)
+    extra = 0
+    if "core_attn" in m.recompute_modules:
+        _, core, _ = _attention_parts(x)
+        transient = sum(v for k, v in core.items() if k not in kept)
+        if "core_attention.output" in core:  # the flash kernel's recompute makes a new output
+            transient += core["core_attention.output"]
+        extra = max(extra, transient - sum(kept.get(k, 0) for k in _AFTER_CORE))
+    if "mlp" in m.recompute_modules:
+        transient = sum(full[k] for k in _MLP if k in full)
+        extra = max(extra, transient - kept.get("mlp.dropout.mask", 0))
+    return extra
 
 
 def embedding_saves(x: Shape) -> int:
@@ -183,7 +204,7 @@ def chunk_activations(x: Shape, layers: int, pre: bool, post: bool) -> ChunkActi
         kept = emb + (sp_first if norm_keeps_input(m) and layers else 0) + layers * layer + out
         peak = kept
         if m.recompute_granularity == "selective" and layers:
-            peak = max(kept, kept - out + selective_transient(x))
+            peak = max(kept, kept - out + selective_backward_extra(x))
         return ChunkActivations(layers, kept, peak, emb, out)
     units, whole = _recompute_units(layers, m)
     distribute = m.distribute_saved_activations and not m.sequence_parallel
