@@ -64,7 +64,7 @@ def _train_and_measure(rank, world, argv, quiet):
 
 
 def measure(argv: list[str], world: int, tb_dir, quiet: bool = False) -> list[dict[str, tuple[float, float]]]:
-    """Per stage: ``{quantity: (measured GB, predicted GB)}`` for TP, CP and DP rank 0 of the stage
+    """Per stage: ``{quantity: (measured GB, predicted GB)}`` for the writer's TP, CP and DP rank
     (``quiet``: the workers' console output is dropped)."""
     argv = [
         *argv,
@@ -83,12 +83,15 @@ def measure(argv: list[str], world: int, tb_dir, quiet: bool = False) -> list[di
         assert tag in tags, f"{tag} not logged"
         return acc.Scalars(tag)[-1].value
 
+    # The per-stage events come from the writer's (the last rank's) pipeline: measure the same ranks.
+    writer = ranks[-1]
+    same = [r for r in ranks if all(r[k] == writer[k] for k in ("tp", "cp", "dp"))]
     stages = []
-    for r in sorted((r for r in ranks if r["tp"] == r["cp"] == r["dp"] == 0), key=lambda r: r["pp"]):
+    for r in sorted(same, key=lambda r: r["pp"]):
         stage = r["pp"]
         measured = {q: last(stage, tag) for q, tag in MEASURED_TAGS.items()}
         # The logged optimizer state is the measured key; the exact tensors' bytes must agree with it.
-        assert abs(measured["optimizer"] - r["optimizer"] / 1e9) <= 1e-4 * measured["optimizer"]
+        assert abs(measured["optimizer"] - r["optimizer"] / 1e9) <= 1e-4 * measured["optimizer"], stage
         measured.update(weights=r["weights"] / 1e9, grads=r["grads"] / 1e9, optimizer=r["optimizer"] / 1e9)
         stages.append({q: (measured[q], last(stage, PREDICTED_TAGS[q])) for q in QUANTITIES})
     return stages

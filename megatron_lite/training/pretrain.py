@@ -44,7 +44,9 @@ def _print_memory_table(config: ConfigContainer, pg_collection) -> None:
     "predicted" row (theoretical_memory's prediction, under the measured keys it predicts).
     Collective over the pp group."""
     peak, stages = gather_memory_across_pp_group(report_memory(config.logger.memory_keys), pg_collection.pp)
-    predictions = predict_memory_per_stage(config)
+    # The table shows the last rank's pipeline: predict for its dp x cp rank.
+    dp_cp = pg_collection.dp_cp
+    predictions = predict_memory_per_stage(config, dp_rank=0 if dp_cp is None else dist.get_rank(dp_cp))
     names = list(peak)
     header = "stage      " + "  ".join(f"{n:>28}" for n in names)
     rows = []

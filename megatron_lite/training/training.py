@@ -100,6 +100,10 @@ def _memory_metrics(lg, iteration: int, pp_group) -> dict[str, float] | None:
     return metrics
 
 
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
 def train(forward_step_func, setup_output) -> None:
     """Run iterations until train_iters, exit_interval or an agreed SIGTERM; save as configured."""
     s = setup_output

@@ -2,9 +2,10 @@
 measurement: logged as ``memory/pp-stage-<i>/predicted-*`` beside the measured ``mem-*`` keys).
 
 :func:`predict_memory_per_stage` is a pure function of a validated ConfigContainer: no world, no
-torch.distributed, no model is built. Each entry describes tensor-parallel rank 0 / data-parallel
-rank 0 of one pipeline rank (other TP ranks hold the same bytes; other DP ranks differ only by the
-distributed optimizer's shard padding).
+torch.distributed, no model is built. Each entry describes one rank of a pipeline stage: tensor-parallel
+rank 0 (every TP rank holds the same bytes: the layers split evenly) and data-parallel x context-
+parallel rank ``dp_rank`` (0 by default; DP ranks differ only in the distributed optimizer's shard,
+by a few parameter pieces and the bucket padding).
 
 Weights, gradients, optimizer (theoretical_param_memory): the parameters of each model chunk from
 the real layer assignment (``get_num_layers_to_build``, vp included), the embedding on chunk 0 of
@@ -71,7 +72,7 @@ __all__ = ["StageMemoryPrediction", "predict_memory_per_stage", "predicted_memor
 
 @dataclass(frozen=True)
 class StageMemoryPrediction:
-    """Predicted bytes of one rank (TP rank 0, DP rank 0) of pipeline stage ``pp_rank``."""
+    """Predicted bytes of one rank (TP rank 0, the given DP x CP rank) of pipeline stage ``pp_rank``."""
 
     pp_rank: int
     weights_bytes: int
@@ -105,9 +106,10 @@ class StageMemoryPrediction:
         return self.weights_bytes + self.grads_bytes + self.optimizer_state_bytes + self.activation_bytes
 
 
-def predict_memory_per_stage(config) -> list[StageMemoryPrediction]:
-    """One prediction per pipeline rank for ``config`` (a validated ConfigContainer). Pure and cheap:
-    no process group, no model."""
+def predict_memory_per_stage(config, dp_rank: int = 0) -> list[StageMemoryPrediction]:
+    """One prediction per pipeline rank for ``config`` (a validated ConfigContainer), for TP rank 0
+    and rank ``dp_rank`` of the data-parallel x context-parallel group. Pure and cheap: no process
+    group, no model."""
     m = config.model
     pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
     group = m.microbatch_group_size_per_vp_stage or pp
@@ -122,7 +124,7 @@ def predict_memory_per_stage(config) -> list[StageMemoryPrediction]:
             chunks.append(chunk_activations(x, layers, pre, post))
         events = schedule_events(config.num_microbatches, vp, pp, rank, group)
         peak, in_flight = schedule_peak(events, chunks)
-        params = param_memory(config, rank)
+        params = param_memory(config, rank, dp_rank)
         stages.append(
             StageMemoryPrediction(
                 pp_rank=rank,

@@ -161,10 +161,11 @@ def _dtype_bytes(m) -> int:
     return 2 if (m.bf16 or m.fp16) else 4
 
 
-def param_memory(config, pp_rank: int) -> dict[str, int]:
+def param_memory(config, pp_rank: int, dp_rank: int = 0) -> dict[str, int]:
     """``weights_bytes``, ``grads_bytes`` (fp32 DDP buffers, padding included) and
-    ``optimizer_state_bytes`` of one tensor-parallel rank of stage ``pp_rank``, summed over its chunks,
-    plus ``parameters`` (their element count)."""
+    ``optimizer_state_bytes`` of one tensor-parallel rank of stage ``pp_rank`` (and, for the
+    distributed optimizer's shard, rank ``dp_rank`` of dp x cp), summed over its chunks, plus
+    ``parameters`` (their element count)."""
     m = config.model
     vp = m.virtual_pipeline_model_parallel_size or 1
     low_precision = _dtype_bytes(m) != 4
@@ -176,7 +177,7 @@ def param_memory(config, pp_rank: int) -> dict[str, int]:
         weights += sum(p.numel for p in specs) * _dtype_bytes(m)
         grads += sum(b.padded for b in buckets) * 4
         if config.optimizer.use_distributed_optimizer:
-            pieces = shard_ranges(buckets, _dp_cp(config))
+            pieces = shard_ranges(buckets, _dp_cp(config), dp_rank)
         else:
             pieces = [p.numel for p in specs]
         # exp_avg and exp_avg_sq in fp32, a 4-byte ``step`` tensor, and an fp32 master if needed.
