@@ -6,7 +6,7 @@
 Runs the real pretrain() for one iteration in 4-rank gloo worlds (CPU) for each layout: (tp, pp, vp)
 in (1,4,1), (2,2,1), (1,2,2), (1,4,2) with and without full recomputation, sequence parallelism,
 the distributed optimizer at dp = 2, bf16, and a Llama-shaped, a context-parallel and a selectively
-recomputed run. Measured: peak saved activations and optimizer state from the run's per-stage
+recomputed run; --distribute-saved-activations at pp = 1 only (with pp > 1 training fails: a known bug). Measured: peak saved activations and optimizer state from the run's per-stage
 TensorBoard events, weights and gradient buffers from the tensors (TP rank 0 / DP rank 0 of each
 stage). Predicted: the ``memory/pp-stage-<i>/predicted-*`` values the run logged at start
 (megatron_lite/training/utils/theoretical_memory.py). Prints one row per layout and stage, MB = 1e6 bytes.
@@ -39,6 +39,7 @@ LAYOUTS = {
     "tp2 pp2": (2, 2, 1, 1, ""),
     "tp2 pp2 sp": (2, 2, 1, 1, "--sequence-parallel"),
     "tp2 pp2 sp full": (2, 2, 1, 1, f"--sequence-parallel {FULL}"),
+    "tp2 pp1 dp2 full distributed": (2, 1, 1, 1, f"{FULL} --distribute-saved-activations"),
     "tp1 pp2 vp2 dp2 distopt": (1, 2, 2, 1, "--use-distributed-optimizer"),
     "tp1 pp2 vp2 dp2 distopt block": (
         1,

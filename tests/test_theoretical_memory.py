@@ -191,3 +191,13 @@ def test_one_layer_saves_what_the_op_by_op_count_says(name):
     assert tracker.current_bytes == predicted
     out.sum().backward()
     assert tracker.current_bytes == 0
+
+
+def test_distributed_saved_activations_keep_a_tp_share_of_each_recomputed_input():
+    full = [*MODEL, "--tensor-model-parallel-size", "2", "--global-batch-size", "16", *FULL]
+    kept = predict_memory_per_stage(parse_args(full))[0].chunk_kept_bytes[0]
+    split = predict_memory_per_stage(parse_args([*full, "--distribute-saved-activations"]))[0]
+    unit_input = 64 * 2 * 64 * 4  # s b h fp32 of each of the 8 one-layer units
+    assert kept - split.chunk_kept_bytes[0] == 8 * unit_input // 2
+    # In backward each unit's input is gathered again and re-saved by its first norm.
+    assert split.chunk_backward_peak_bytes[0] - split.chunk_kept_bytes[0] > 0
