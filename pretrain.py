@@ -42,12 +42,16 @@ def worker_main(argv: list[str]) -> int:
     from megatron_lite.training.gpt_step import forward_step
     from megatron_lite.training.pretrain import pretrain
     from megatron_lite.training.state import LoggerStartupError
+    from megatron_lite.training.utils.oom_postmortem import OutOfMemoryPostMortem
 
     try:
         pretrain(config, forward_step)
     except (CheckpointError, LoggerStartupError) as err:
         _report(f"pretrain.py: error: {err}")
         return 2
+    except OutOfMemoryPostMortem as err:
+        _report(f"pretrain.py: error: {err}")
+        return 1
     except KeyboardInterrupt:
         return 130
     except SystemExit as stop:  # SIGTERM without --exit-signal-handler (see _raise_exit)
@@ -60,6 +64,10 @@ def worker_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if "--memory-preflight" in argv:  # a prediction only: no worker, no file
+        from megatron_lite.training.memory_preflight import main as preflight
+
+        return preflight(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker_main(argv)
 
@@ -82,13 +90,18 @@ def main(argv: list[str]) -> int:
     return code
 
 
+def exit_worker(code: int):
+    """Leave a worker process with ``code``, skipping interpreter teardown: a worker's process groups
+    (gloo's threads) can abort in their C++ teardown at interpreter exit, even after a clean destroy,
+    and a stop signal arriving during teardown would print tracebacks. Loggers, checkpoints and output
+    are closed and flushed by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     code = main(sys.argv[1:])
     if "RANK" in os.environ:
-        # A worker's process groups (gloo's threads) can abort in their C++ teardown at interpreter
-        # exit, even after a clean destroy; loggers, checkpoints and output are closed and flushed by
-        # now, so leave with the real exit code.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_worker(code)
     sys.exit(code)

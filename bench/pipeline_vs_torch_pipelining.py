@@ -1,19 +1,27 @@
 #!/usr/bin/env python
-"""megatron_lite's 1F1B against torch.distributed.pipelining.Schedule1F1B, same model, same processes.
+"""megatron_lite's pipeline schedules against torch.distributed.pipelining's, same model, same processes.
 
-    python bench/pipeline_vs_torch_pipelining.py [--rounds 6]
+    python bench/pipeline_vs_torch_pipelining.py [--rounds 6] [--schedule {1f1b,interleaved,both}]
+        [--hidden-size 256] [--seq-length 128] [--vocab-size 8192]
 
 GPT: 8 layers, hidden 256, 8 heads, seq 128, micro-batch 2, global batch 16 (8 microbatches), vocab
-8192, fp32, pp = 4 on CPU with gloo. Both schedules run identical stage modules (untied embeddings, so
-neither pays for an embedding all-reduce) and are alternated round by round. Prints the median
-ms per global-batch forward-backward for each, their ratio, and each stage's peak bytes of activations
-saved for backward (measured by megatron_lite's ActivationMemoryTracker around each schedule).
+8192 (smaller sizes make a smoke run), fp32, pp = 4 on CPU with gloo. ``1f1b``: our 1F1B against ``Schedule1F1B``, one stage of two
+layers per rank. ``interleaved``: our interleaved 1F1B against ``ScheduleInterleaved1F1B`` with vp = 2,
+each rank holding two chunks of one layer (Megatron's assignment: chunk c of rank r holds layer
+c * pp + r, torch's stage index c * pp + r). Both sides of a comparison run identically built stage
+modules (untied embeddings, so neither pays for an embedding all-reduce) on the same data, are checked
+to give the same first-iteration loss, and are alternated round by round. Prints the median ms per
+global-batch forward-backward for each, their ratio, and each stage's peak bytes of activations saved
+for backward (measured by megatron_lite's ActivationMemoryTracker around each schedule); for the
+interleaved schedule also the in-flight microbatch-chunk counts our schedule predicts per rank and the
+stage-0 peak over plain 1F1B's beside Megatron's interleaving factor 1 + (pp - 1) / (pp * vp).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue as queue_module
 import statistics
 import sys
 import time
@@ -30,6 +38,7 @@ from megatron_lite.core import parallel_state as ps  # noqa: E402
 from megatron_lite.core.datasets.gpt_dataset import MockGPTDataset  # noqa: E402
 from megatron_lite.core.distributed import DistributedDataParallel, finalize_model_grads  # noqa: E402
 from megatron_lite.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron_lite.core.pipeline_parallel.interleaved import in_flight_microbatch_chunks  # noqa: E402
 from megatron_lite.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron_lite.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: E402
 from megatron_lite.models.gpt_provider import GPTModelProvider  # noqa: E402
@@ -38,8 +47,11 @@ from megatron_lite.training.gpt_step import forward_step  # noqa: E402
 from megatron_lite.training.state import GlobalState  # noqa: E402
 from megatron_lite.training.utils.activation_memory import ActivationMemoryTracker  # noqa: E402
 
-PP, LAYERS, HIDDEN, HEADS, SEQ, MBS, GBS, VOCAB = 4, 8, 256, 8, 128, 2, 16, 8192
+PP, LAYERS, HEADS, MBS, GBS = 4, 8, 8, 2, 16
 MICROBATCHES = GBS // MBS
+VIRTUAL_STAGES = {"1f1b": 1, "interleaved": 2}  # schedule -> model chunks per rank
+OURS, PEER = "megatron_lite", "torch.pipelining"
+LOSS_RTOL = 1e-5
 
 
 class TorchPipelineStage(nn.Module):
@@ -51,7 +63,7 @@ class TorchPipelineStage(nn.Module):
 
     def forward(self, x):
         g = self.gpt
-        hidden = g.embedding(x, torch.arange(SEQ).expand_as(x)) if g.pre_process else x
+        hidden = g.embedding(x, torch.arange(x.shape[1]).expand_as(x)) if g.pre_process else x
         hidden = g.decoder(hidden)
         return g.output_layer(hidden)[0] if g.post_process else hidden
 
@@ -60,92 +72,200 @@ def _loss(logits, labels):
     return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous()).mean()
 
 
-def _provider():
+def _provider(vp: int, size: dict):
+    """The benchmarked GPT, ``size`` giving hidden_size, seq_length and vocab_size."""
     return GPTModelProvider(
         num_layers=LAYERS,
-        hidden_size=HIDDEN,
         num_attention_heads=HEADS,
-        vocab_size=VOCAB,
-        seq_length=SEQ,
-        max_position_embeddings=SEQ,
+        max_position_embeddings=size["seq_length"],
+        **size,
         pipeline_model_parallel_size=PP,
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         share_embeddings_and_output_weights=False,
     )
 
 
-def _batches(n):
-    data = MockGPTDataset(vocab_size=VOCAB, sequence_length=SEQ, seed=1, num_samples=n * MBS)
+def _batches(n, cfg):
+    data = MockGPTDataset(
+        vocab_size=cfg.vocab_size, sequence_length=cfg.seq_length, seed=1, num_samples=n * MBS
+    )
     return [{k: torch.stack([data[i * MBS + j][k] for j in range(MBS)]) for k in data[0]} for i in range(n)]
 
 
-def worker(rank, port, rounds, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // PP))
-    dist.init_process_group("gloo", rank=rank, world_size=PP)
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def _runners(vp: int, rank: int, pgc: ProcessGroupCollection, size: dict):
+    """(run(tracker) -> mean loss on the last rank else None, modules) for ours and torch's, each side
+    holding this rank's ``vp`` chunks, built by the same provider (layout-independent init: equal
+    weights). Running either is collective over the pipeline group."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    ps.initialize_model_parallel(pipeline_model_parallel_size=PP)
-    pgc = ProcessGroupCollection.use_mpu_process_groups()
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    cfg = _provider()
-    ours = DistributedDataParallel(cfg, cfg.provide(pre_process=first, post_process=last), dp_group=pgc.dp)
+    chunks = range(vp) if vp > 1 else [None]  # vp_stage None: the plain one-stage-per-rank model
+    cfg = _provider(vp, size)
+    batches = _batches(MICROBATCHES, cfg)
     cfg.finalize_model_grads_func = finalize_model_grads
-    peer_module = TorchPipelineStage(_provider().provide(pre_process=first, post_process=last))
-    peer_stage = PipelineStage(peer_module, rank, PP, torch.device("cpu"), group=pgc.pp)
-    peer = Schedule1F1B(peer_stage, MICROBATCHES, loss_fn=_loss)
-    schedule = get_forward_backward_func()
-    batches = _batches(MICROBATCHES)
+    ours = [DistributedDataParallel(cfg, cfg.provide(vp_stage=c), dp_group=pgc.dp) for c in chunks]
+    schedule = get_forward_backward_func(PP, vp)
+    peer_modules = [TorchPipelineStage(_provider(vp, size).provide(vp_stage=c)) for c in chunks]
+    device = torch.device("cpu")
+    stages = [
+        PipelineStage(m, c * PP + rank, PP * vp, device, group=pgc.pp) for c, m in enumerate(peer_modules)
+    ]
+    if vp > 1:
+        peer = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=_loss)
+    else:
+        peer = Schedule1F1B(stages[0], MICROBATCHES, loss_fn=_loss)
+    first, last = rank == 0, rank == PP - 1
 
     def run_ours(tracker):
-        ours.zero_grad_buffer()
+        for chunk in ours:
+            chunk.zero_grad_buffer()
         with tracker.track():
-            schedule(
+            store = schedule(
                 forward_step_func=partial(forward_step, GlobalState(ConfigContainer())),
-                data_iterator=iter(batches),
+                data_iterator=[iter(batches) for _ in ours],  # every chunk reads each microbatch once
                 model=ours,
                 num_microbatches=MICROBATCHES,
-                seq_length=SEQ,
+                seq_length=cfg.seq_length,
                 micro_batch_size=MBS,
             )
+        return torch.stack([d["lm loss"] for d in store]).mean().item() if last else None
 
     def run_peer(tracker):
-        peer_module.zero_grad(set_to_none=True)
+        for module in peer_modules:
+            module.zero_grad(set_to_none=True)
         tokens = torch.cat([b["tokens"] for b in batches]) if first else None
         labels = torch.cat([b["labels"] for b in batches]) if last else None
+        losses = []
         with tracker.track():
             if first:
                 peer.step(tokens)
             elif last:
-                peer.step(target=labels, losses=[])
+                peer.step(target=labels, losses=losses)
             else:
                 peer.step()
+        return torch.stack(losses).mean().item() if last else None
 
-    times = {"megatron_lite": [], "torch.pipelining": []}
-    peaks = {}
-    for name, run, module in (
-        ("megatron_lite", run_ours, ours.module),
-        ("torch.pipelining", run_peer, peer_module),
-    ):
+    return {OURS: (run_ours, [c.module for c in ours]), PEER: (run_peer, peer_modules)}
+
+
+def _compare(vp: int, rank: int, pgc, size: dict, rounds: int) -> dict:
+    """Warm-up iteration (activation peaks, first-iteration loss), then ``rounds`` timed rounds,
+    ours and torch's alternated. Collective over the pipeline group."""
+    runners = _runners(vp, rank, pgc, size)
+    result = {"times": {name: [] for name in runners}, "peaks": {}, "loss": {}}
+    for name, (run, modules) in runners.items():
         tracker = ActivationMemoryTracker()
-        tracker.exclude_parameters(module.parameters())
-        run(tracker)  # warm-up round also measures the activation peak
-        peaks[name] = tracker.peak_bytes
+        for module in modules:
+            tracker.exclude_parameters(module.parameters())
+        result["loss"][name] = run(tracker)  # the warm-up iteration also measures the activation peak
+        result["peaks"][name] = tracker.peak_bytes
     for _ in range(rounds):
-        for name, run in (("megatron_lite", run_ours), ("torch.pipelining", run_peer)):
+        for name, (run, _) in runners.items():
             tracker = ActivationMemoryTracker()
             dist.barrier()
             start = time.perf_counter()
             run(tracker)
             dist.barrier()
-            times[name].append(time.perf_counter() - start)
-    queue.put((rank, times, peaks))
+            result["times"][name].append(time.perf_counter() - start)
+    return result
+
+
+def worker(rank, port, rounds, schedules, size, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // PP))
+    dist.init_process_group("gloo", rank=rank, world_size=PP)
+    ps.initialize_model_parallel(pipeline_model_parallel_size=PP)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    results = {s: _compare(VIRTUAL_STAGES[s], rank, pgc, size, rounds) for s in schedules}
+    queue.put((rank, results))
+    dist.barrier()
     dist.destroy_process_group()
+
+
+def _collect(procs, queue) -> list:
+    """Every worker's (rank, results), sorted; exits with one line if a worker died without reporting."""
+    results = []
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=5))
+        except queue_module.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                sys.exit("a bench worker failed (its traceback is above)")
+    return sorted(results, key=lambda r: r[0])
+
+
+def _check_equal_work(title: str, loss: dict) -> None:
+    """Both schedules must compute the same loss from the same weights and data, or the timing
+    comparison is not of equal work."""
+    ours, peer = loss[OURS], loss[PEER]
+    if not abs(ours - peer) <= LOSS_RTOL * abs(peer):
+        sys.exit(f"{title}: first-iteration losses differ: {OURS} {ours:.7f}, {PEER} {peer:.7f}")
+    print(
+        f"first-iteration loss: {OURS} {ours:.7f}, {PEER} {peer:.7f} "
+        f"(relative difference {abs(ours - peer) / abs(peer):.1e}, checked <= {LOSS_RTOL:g})"
+    )
+
+
+def _report(schedule: str, results: list) -> None:
+    """One comparison's section: equal-work check, median times, per-stage activation peaks."""
+    vp = VIRTUAL_STAGES[schedule]
+    last = results[-1][1][schedule]
+    if vp == 1:
+        ours = "forward_backward_pipelining_without_interleaving"
+        print(f"-- 1F1B: {ours} vs Schedule1F1B, {LAYERS // PP} layers/rank")
+    else:
+        per_chunk = LAYERS // (PP * vp)
+        held = f"layer c * {PP} + r" if per_chunk == 1 else f"layers from {per_chunk} * (c * {PP} + r)"
+        print(
+            f"-- interleaved 1F1B, vp {vp}: forward_backward_pipelining_with_interleaving vs "
+            f"ScheduleInterleaved1F1B; chunk c of rank r holds {held} (torch stage index c * {PP} + r)"
+        )
+    _check_equal_work(schedule, last["loss"])
+    ms = {name: statistics.median(v) * 1000 for name, v in last["times"].items()}
+    print(f"{'schedule':<18}{'ms/iteration':>14}")
+    for name, value in ms.items():
+        print(f"{name:<18}{value:>14.1f}")
+    print(f"ratio {OURS} / {PEER}: {ms[OURS] / ms[PEER]:.3f} (< 1 means {OURS} is faster)")
+    header = f"{'stage':<7}{OURS + ' act. peak (MB)':>30}{PEER + ' act. peak (MB)':>34}{'ratio':>8}"
+    if vp > 1:
+        # Predicted: the schedule's own account of the microbatch-chunks a rank holds at its fullest.
+        header += f"{'in flight (predicted)':>23}{OURS + ' MB per chunk':>28}"
+    print(header)
+    for rank, per_schedule in results:
+        peaks = per_schedule[schedule]["peaks"]
+        a, b = peaks[OURS] / 1e6, peaks[PEER] / 1e6
+        line = f"{rank:<7}{a:>30.2f}{b:>34.2f}{a / b:>8.3f}"
+        if vp > 1:
+            in_flight = max(sum(c) for c in in_flight_microbatch_chunks(MICROBATCHES, vp, PP, rank))
+            line += f"{in_flight:>23}{a / in_flight:>28.2f}"
+        print(line)
+
+
+def _report_interleaving_factor(results: list) -> None:
+    """Stage 0's peak, interleaved over plain 1F1B, beside Megatron's predicted factor."""
+    vp = VIRTUAL_STAGES["interleaved"]
+    stage0 = results[0][1]
+    ratio = {n: stage0["interleaved"]["peaks"][n] / stage0["1f1b"]["peaks"][n] for n in (OURS, PEER)}
+    print(
+        f"stage 0 act. peak, interleaved / 1F1B: {OURS} {ratio[OURS]:.3f}, {PEER} {ratio[PEER]:.3f}; "
+        f"Megatron's factor 1 + (pp - 1) / (pp * vp) = {1 + (PP - 1) / (PP * vp):.3f} (predicted)"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per schedule")
+    parser.add_argument(
+        "--schedule", choices=[*VIRTUAL_STAGES, "both"], default="both", help="which comparison to run"
+    )
+    # Megatron's flag names; smaller values make a quick smoke run (the test's).
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=8192)
     args = parser.parse_args()
+    if min(args.rounds, args.hidden_size, args.seq_length, args.vocab_size) < 1 or args.hidden_size % HEADS:
+        parser.error(f"sizes and --rounds must be positive, --hidden-size a multiple of {HEADS}")
+    size = {"hidden_size": args.hidden_size, "seq_length": args.seq_length, "vocab_size": args.vocab_size}
+    schedules = list(VIRTUAL_STAGES) if args.schedule == "both" else [args.schedule]
     import socket
 
     with socket.socket() as s:
@@ -153,31 +273,25 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, args.rounds, queue)) for r in range(PP)]
+    # Daemons: when one worker fails, the others (stuck in a collective) end with the bench.
+    procs = [
+        ctx.Process(target=worker, args=(r, port, args.rounds, schedules, size, queue), daemon=True)
+        for r in range(PP)
+    ]
     for p in procs:
         p.start()
-    results = sorted(queue.get(timeout=1800) for _ in range(PP))
+    results = _collect(procs, queue)
     for p in procs:
         p.join()
-    times = results[-1][1]
-    ms = {name: statistics.median(v) * 1000 for name, v in times.items()}
     print(
-        f"GPT {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, micro-batch {MBS}, global batch {GBS}, "
-        f"vocab {VOCAB}, fp32, pp {PP}, CPU/gloo, {args.rounds} alternated rounds"
+        f"GPT {LAYERS} layers, hidden {args.hidden_size}, {HEADS} heads, seq {args.seq_length}, "
+        f"micro-batch {MBS}, global batch {GBS}, vocab {args.vocab_size}, fp32, pp {PP}, CPU/gloo, "
+        f"{args.rounds} alternated rounds"
     )
-    print(f"{'schedule':<18}{'ms/iteration':>14}")
-    for name, value in ms.items():
-        print(f"{name:<18}{value:>14.1f}")
-    print(
-        f"ratio megatron_lite / torch.pipelining: {ms['megatron_lite'] / ms['torch.pipelining']:.3f} "
-        f"(< 1 means megatron_lite is faster)"
-    )
-    print(
-        f"{'stage':<7}{'megatron_lite act. peak (MB)':>30}{'torch.pipelining act. peak (MB)':>34}{'ratio':>8}"
-    )
-    for rank, _, peaks in results:
-        a, b = peaks["megatron_lite"] / 1e6, peaks["torch.pipelining"] / 1e6
-        print(f"{rank:<7}{a:>30.2f}{b:>34.2f}{a / b:>8.3f}")
+    for schedule in schedules:
+        _report(schedule, results)
+    if len(schedules) == 2:
+        _report_interleaving_factor(results)
 
 
 if __name__ == "__main__":

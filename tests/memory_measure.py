@@ -1,9 +1,10 @@
 """Measured and predicted memory of every pipeline stage of a real run (tests and bench/memory_prediction.py).
 
 The run is the real pretrain() in a real gloo world with --log-memory-to-tensorboard
---log-memory-per-pp-stage; peak saved activations and optimizer state are read back from its event
-files, weights and gradient buffers from the tensors of each rank's model chunks after training,
-and the predictions from the ``memory/pp-stage-<i>/predicted-*`` tags the run logged at start.
+--log-memory-per-pp-stage; peak saved activations, weights, gradient buffers and optimizer state are
+read back from its event files (the last three also counted exactly from each rank's tensors after
+training, which must agree), and the predictions from the ``memory/pp-stage-<i>/predicted-*`` tags the
+run logged at start.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from dist_helpers import run_world
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 QUANTITIES = ("weights", "grads", "optimizer", "activations")
-MEASURED_TAGS = {"optimizer": "mem-optimizer-state-gigabytes", "activations": "mem-max-activation-gigabytes"}
+MEASURED_TAGS = {
+    "weights": "mem-weights-gigabytes",
+    "grads": "mem-grads-gigabytes",
+    "optimizer": "mem-optimizer-state-gigabytes",
+    "activations": "mem-max-activation-gigabytes",
+}
 PREDICTED_TAGS = {
     "weights": "predicted-weights-gigabytes",
     "grads": "predicted-grads-gigabytes",
@@ -90,8 +96,9 @@ def measure(argv: list[str], world: int, tb_dir, quiet: bool = False) -> list[di
     for r in sorted(same, key=lambda r: r["pp"]):
         stage = r["pp"]
         measured = {q: last(stage, tag) for q, tag in MEASURED_TAGS.items()}
-        # The logged optimizer state is the measured key; the exact tensors' bytes must agree with it.
-        assert abs(measured["optimizer"] - r["optimizer"] / 1e9) <= 1e-4 * measured["optimizer"], stage
-        measured.update(weights=r["weights"] / 1e9, grads=r["grads"] / 1e9, optimizer=r["optimizer"] / 1e9)
+        # The logged keys are the measurement; the tensors' exact bytes (not rounded) must agree with them.
+        for q in ("weights", "grads", "optimizer"):
+            assert abs(measured[q] - r[q] / 1e9) <= 1e-4 * measured[q], (stage, q, measured[q], r[q])
+            measured[q] = r[q] / 1e9
         stages.append({q: (measured[q], last(stage, PREDICTED_TAGS[q])) for q in QUANTITIES})
     return stages

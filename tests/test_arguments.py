@@ -30,7 +30,9 @@ BAD_INPUT = [
     (["--save-interval", "5"], "--save-interval"),
     (["--log-memory-per-pp-stage"], "--log-memory-per-pp-stage"),
     (["--fp16"], "--fp16"),
-    (["--data-path", "/data/corpus"], "--data-path"),
+    (["--data-path", "/data/corpus"], "--data-path"),  # no /data/corpus.bin / .idx
+    (["--num-workers", "-1"], "--num-workers"),
+    (["--reset-attention-mask"], "--reset-attention-mask"),
     (["--overlap-param-gather"], "--overlap-param-gather"),
     (["--ddp-bucket-size", "0"], "--ddp-bucket-size"),
     (

@@ -179,3 +179,89 @@ def test_activation_tracker_counts_each_storage_once_and_releases_it():
     out.backward()
     assert tracker.current_bytes == 0
     assert tracker.peak_bytes == x.numel() * 4 + h.numel() * 4
+
+
+def test_cuda_allocator_health_fragmentation_and_retries_since_the_last_report(mocker):
+    mocker.patch("torch.cuda.is_available", return_value=True)
+    mocker.patch("torch.cuda.is_initialized", return_value=True)
+    stats = {key: 0 for key in MEMORY_KEYS}
+    stats.update({"reserved_bytes.all.current": 8 * 10**9, "allocated_bytes.all.current": 6 * 10**9})
+    memory_stats = mocker.patch("torch.cuda.memory_stats")
+    deltas = []
+    for retries in (3, 3, 7, 10):
+        memory_stats.return_value = {**stats, "num_alloc_retries": retries}
+        report = report_memory()
+        assert report["mem-fragmentation"] == 0.25  # 2 of 8 GB reserved are not allocated
+        assert report["mem-inactive-gigabytes"] == 0.0  # upstream's inactive-split bytes, beside it
+        deltas.append(report["mem-alloc-retries-delta"])
+    assert deltas[1:] == [0, 4, 3] and type(deltas[-1]) is int
+
+
+def test_weights_and_grads_are_measured_from_the_tensors_each_storage_once():
+    from megatron_lite.training.utils.memory_attribution import grads_bytes, weights_bytes
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(100, 16)
+            self.head = torch.nn.Linear(16, 100, bias=False)
+            self.head.weight = self.embedding.weight  # tied: one storage
+            self.norm = torch.nn.LayerNorm(16, dtype=torch.bfloat16)
+            self.buffers = [type("Buffer", (), {"grad_data": torch.zeros(1632)})()]
+
+    chunk = Chunk()
+    assert weights_bytes([chunk]) == 100 * 16 * 4 + 2 * 16 * 2
+    assert grads_bytes([chunk]) == 1632 * 4
+    chunk.norm.weight.grad = torch.zeros(16, dtype=torch.bfloat16)
+    assert grads_bytes([chunk]) == 1632 * 4 + 16 * 2
+
+
+def test_other_is_the_total_minus_the_measured_parts():
+    from megatron_lite.training.utils.memory_attribution import other_memory_stats
+
+    parts = {"weights_bytes.current": 10, "grads_bytes.current": 20, "optimizer_state_bytes.current": 30}
+    stats = {"rss_bytes.current": 500, "rss_bytes.peak": 900, "activation_bytes.current": 5}
+    stats |= {"activation_bytes.peak": 300}
+    assert other_memory_stats(stats) == {}  # nothing to attribute until the model is tracked
+    assert other_memory_stats({**stats, **parts}) == {"other_bytes.current": 435, "other_bytes.peak": 540}
+    cuda = {**parts, "allocated_bytes.all.current": 200, "allocated_bytes.all.peak": 400, "rss_bytes.peak": 1}
+    assert other_memory_stats(cuda) == {"other_bytes.current": 140, "other_bytes.peak": 340}
+
+
+def test_stage_slots_carry_every_stage_headline_through_one_max():
+    from megatron_lite.training.utils.pipeline_memory import (
+        peak_stage_metrics,
+        split_stage_slots,
+        with_stage_slots,
+    )
+
+    reports = [{"mem-max-rss-gigabytes": v, "mem-alloc-retires": 1} for v in (2.0, 3.0, 1.5, 3.0)]
+    slotted = [with_stage_slots(r, stage, 4) for stage, r in enumerate(reports)]
+    reduced = {k: max(s[k] for s in slotted) for k in slotted[0]}  # what the MAX all-reduce computes
+    report, values = split_stage_slots(reduced, 4)
+    assert report == {"mem-max-rss-gigabytes": 3.0, "mem-alloc-retires": 1}
+    assert values == [2.0, 3.0, 1.5, 3.0]
+    assert peak_stage_metrics(values) == {"memory/peak-stage": 1, "memory/pp-imbalance": 2.0}
+    assert with_stage_slots(reports[0], 0, 1) is reports[0]  # one stage: nothing to learn
+    assert split_stage_slots(reports[0], 4) == (reports[0], None)
+    assert peak_stage_metrics([0.0, 1.0]) == {"memory/peak-stage": 1}  # no ratio over a zero
+
+
+def _memory_metrics_with_growing_retries(rank, world):
+    from megatron_lite.training import training
+
+    logger = type("Logger", (), {"log_memory_to_tensorboard": True, "tensorboard_log_interval": 1})()
+    logger.memory_keys, logger.log_memory_per_pp_stage = None, False
+    training.report_memory = lambda keys: {
+        "mem-max-allocated-gigabytes": 1.0 + rank,
+        "mem-alloc-retries-delta": 3,
+    }
+    training.device_memory_capacity_gigabytes = lambda: None
+    return training._memory_metrics(logger, 1, torch.distributed.group.WORLD)
+
+
+def test_growing_allocator_retries_print_one_hint_on_the_writer(capfd):
+    results = run_world(_memory_metrics_with_growing_retries, 2)
+    assert results[1]["memory/peak-stage"] == 1 and results[1]["memory/mem-alloc-retries-delta"] == 3
+    hints = [line for line in capfd.readouterr().out.splitlines() if "retried" in line]
+    assert len(hints) == 1 and "3 allocations" in hints[0] and "expandable_segments" in hints[0]

@@ -225,8 +225,8 @@ def test_mixed_precision_and_distributed_optimizer_checks(mocker):
             "--ckpt-format",
         ),
         (
-            lambda c: setattr(c, "profiling", ProfilingConfig(record_memory_history=True)),
-            "--record-memory-history",
+            lambda c: setattr(c, "profiling", ProfilingConfig(pytorch_profiler_collect_chakra=True)),
+            "--pytorch-profiler-collect-chakra",
         ),
         (lambda c: setattr(c, "mixed_precision", "bf16_mixed"), "mixed_precision"),
         (lambda c: setattr(c.train, "rampup_batch_size", [8, 8, 100]), "--rampup-batch-size"),

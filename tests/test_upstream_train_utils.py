@@ -70,7 +70,13 @@ def test_cuda_report_has_upstream_names_then_our_extras(mocker):
     mocker.patch("torch.cuda.memory_stats", return_value=stats)
     report = report_memory(None)
     assert list(report)[:10] == UPSTREAM_TAGS
-    assert list(report)[10:] == ["mem-ooms", "mem-activation-gigabytes", "mem-max-activation-gigabytes"]
+    assert list(report)[10:] == [
+        "mem-ooms",
+        "mem-fragmentation",
+        "mem-alloc-retries-delta",
+        "mem-activation-gigabytes",
+        "mem-max-activation-gigabytes",
+    ]
     assert report["mem-max-reserved-gigabytes"] == 1.2346  # 5 significant digits
     assert report["mem-alloc-retires"] == 3 and report["mem-allocated-count"] == 41
     assert report_memory({}) == report  # empty means the default, as upstream

@@ -47,14 +47,24 @@ class MegatronPretrainingSampler:
 
 
 def build_pretraining_data_loader(
-    dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    num_workers: int = 0,
 ):
-    """A DataLoader over ``dataset`` that resumes exactly at ``consumed_samples``."""
+    """A DataLoader over ``dataset`` that resumes exactly at ``consumed_samples``. Workers, when
+    asked for, each read whole microbatches; the loader still yields them in the sampler's order."""
     sampler = MegatronPretrainingSampler(
         len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
     )
     # A private generator: creating the iterator would otherwise draw from the global RNG and shift
     # the dropout stream of a resumed run.
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=0, generator=torch.Generator().manual_seed(0)
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        generator=torch.Generator().manual_seed(0),
+        persistent_workers=False,
     )

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from megatron_lite.core.activations import squared_relu
 from megatron_lite.training.config import ConfigContainer, ConfigError
 from megatron_lite.training.config_sections import ProfilingConfig
+from megatron_lite.training.data_arguments import DATA_FLAGS, dataset_from_args, prepare_dataset_section
 
 # (flag, section, field, type, help). type is a callable, "store_true", "store_false" or "+" (a list of
 # strings); a field of
@@ -32,7 +33,7 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--kv-channels", "model", "kv_channels", int, "Projection size per head (default hidden / heads)."),
     ("--seq-length", "dataset", "seq_length", int, "Tokens per sample."),
     ("--max-position-embeddings", "model", "max_position_embeddings", int, "Position-embedding rows."),
-    ("--vocab-size", "model", "vocab_size", int, "Vocabulary size (mock data)."),
+    ("--vocab-size", "model", "vocab_size", int, "Vocabulary size (mock data; a NullTokenizer's)."),
     (
         "--make-vocab-size-divisible-by",
         "model",
@@ -191,8 +192,8 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--lr-warmup-samples", "scheduler", "lr_warmup_samples", int, "Warmup samples (with --train-samples)."),
     ("--lr-warmup-fraction", "scheduler", "lr_warmup_fraction", float, "Warmup as a fraction of decay."),
     ("--lr-warmup-init", "scheduler", "lr_warmup_init", float, "Learning rate at the start of warmup."),
-    # Data and seeds
-    ("--mock-data", "dataset", "mock", "store_true", "Synthetic data (the default and only source so far)."),
+    # Data, tokenizer and seeds
+    *DATA_FLAGS,
     ("--seed", "rng", "seed", int, "Random seed (weights and data)."),
     # Logging
     ("--log-interval", "logger", "log_interval", int, "Iterations between console lines."),
@@ -277,9 +278,6 @@ PROFILING_FLAGS: list[tuple[str, str, object, str]] = [
 
 # Upstream flags whose features are not built yet: parsed, then refused if given.
 UNSUPPORTED_FLAGS: dict[str, object] = {
-    "--data-path": "+",
-    "--split": str,
-    "--tokenizer-type": str,
     "--expert-model-parallel-size": int,
     "--num-experts": int,
     "--use-flash-attn": "store_true",
@@ -327,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                 type=kind,
                 default=None,
                 metavar=metavars[kind],
-                help=f"{help_text} (default: {default})",
+                help=help_text if "default" in help_text else f"{help_text} (default: {default})",
             )
     profiling = parser.add_argument_group("profiling (config.profiling)")
     profiling.add_argument(
@@ -340,6 +338,27 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             nargs, kind = ("+", int) if kind == "+" else (None, kind)
             profiling.add_argument(flag, dest=dest, type=kind, nargs=nargs, metavar="N", help=help_text)
+    preflight = parser.add_argument_group("memory preflight (predict, build nothing, train nothing)")
+    preflight.add_argument(
+        "--memory-preflight",
+        action="store_true",
+        help="Print each stage's predicted memory, the stage that runs out first and the cheapest fix; exit.",
+    )
+    preflight.add_argument(
+        "--device-memory-gb", type=float, metavar="GB", help="The GPU's memory (preflight)."
+    )
+    # As upstream, memory history is independent of --profile.
+    profiling.add_argument(
+        "--record-memory-history",
+        action="store_true",
+        help="Record the CUDA allocator's history; snapshots to --memory-snapshot-path (CUDA only).",
+    )
+    profiling.add_argument(
+        "--memory-snapshot-path",
+        default=None,
+        metavar="FILE",
+        help="Snapshot file (default: snapshot.pickle).",
+    )
     for flag, kind in UNSUPPORTED_FLAGS.items():
         dest = "unsupported_" + flag[2:].replace("-", "_")
         if kind == "store_true":
@@ -362,11 +381,17 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
         if value not in (None, False):
             raise ConfigError(flag, "is not supported yet by megatron_lite")
     config = ConfigContainer()
+    prepare_dataset_section(args, config)
     for flag, section, name, _kind, _help in FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and name is not None:
             setattr(getattr(config, section), name, value)
+    dataset_from_args(args, config)
     config.profiling = _profiling_from_args(args)
+    if args.memory_preflight or args.device_memory_gb is not None:
+        raise ConfigError(
+            "--memory-preflight", "is a mode of pretrain.py: give it with --device-memory-gb GB"
+        )
     t, m = config.train, config.model
     _architecture_from_args(args, m)
     if args.train_samples is not None and args.train_iters is None:
@@ -434,25 +459,38 @@ def _profiling_from_args(args: argparse.Namespace) -> ProfilingConfig | None:
     (upstream would ignore them silently)."""
     given = {name: getattr(args, f[2:].replace("-", "_")) for f, name, _k, _h in PROFILING_FLAGS}
     given = {name: value for name, value in given.items() if value is not None}
+    history = {"record_memory_history": True} if args.record_memory_history else {}
+    if args.memory_snapshot_path is not None:
+        if not args.record_memory_history:
+            raise ConfigError("--memory-snapshot-path", "needs --record-memory-history")
+        history["memory_snapshot_path"] = args.memory_snapshot_path
     if not args.profile:
         if given:
             flag = next(f for f, name, _k, _h in PROFILING_FLAGS if name in given)
             raise ConfigError(flag, "needs --profile")
-        return None
+        return ProfilingConfig(use_nsys_profiler=False, **history) if history else None
     torch_profiler = given.pop("use_pytorch_profiler", False)
-    return ProfilingConfig(use_pytorch_profiler=torch_profiler, use_nsys_profiler=not torch_profiler, **given)
+    return ProfilingConfig(
+        use_pytorch_profiler=torch_profiler, use_nsys_profiler=not torch_profiler, **given, **history
+    )
+
+
+def config_from_argv(argv: list[str] | None) -> ConfigContainer:
+    """Parse and validate; bad values raise ConfigError (argparse itself still exits on unknown flags).
+    The mapping and validate() warn about values they adjust, as upstream."""
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    config.validate()
+    return config
 
 
 def parse_args(argv: list[str] | None = None) -> ConfigContainer:
     """Parse and validate. Bad input: one line on stderr naming the flag and the fix, exit code 2."""
-    args = build_parser().parse_args(argv)
     try:
-        config = config_from_args(args)
-        # validate() warns about values it adjusts (as upstream); the user sees each as one note line
-        # on stdout, so stderr keeps only errors.
+        # The user sees each adjustment as one note line on stdout, so stderr keeps only errors.
         with warnings.catch_warnings(record=True) as adjusted:
             warnings.simplefilter("always")
-            config.validate()
+            config = config_from_argv(argv)
     except ConfigError as err:
         print(f"pretrain.py: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

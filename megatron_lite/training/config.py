@@ -41,6 +41,7 @@ from megatron_lite.training.config_sections import (
     RerunStateMachineConfig,
     RNGConfig,
 )
+from megatron_lite.training.data_checks import check_data, resolve_vocab_size
 from megatron_lite.training.dataset_config import DataloaderConfig, GPTDatasetConfig, MockGPTDatasetConfig
 from megatron_lite.training.tokenizers.config import TokenizerConfig
 from megatron_lite.training.utils.config_utils import _ConfigContainerBase
@@ -177,6 +178,7 @@ class ConfigContainer(_ConfigContainerBase):
         if self.profiling is not None:
             self.profiling.finalize()
         self.set_data_parallel_size()
+        resolve_vocab_size(self)  # builds the tokenizer (local files only): the vocabulary follows it
         self._resolve_validation_batches()
         _validate_and_sync_distributed_optimizer_settings(self)
         _validate_mixed_precision_consistency(self)
@@ -208,6 +210,7 @@ class ConfigContainer(_ConfigContainerBase):
                 setattr(self.validation, f.name, value)
         for check in (
             config_checks.check_supported,
+            check_data,
             config_checks.check_ranges,
             config_checks.check_divisibility,
             check_architecture,

@@ -44,10 +44,8 @@ def check_supported(cfg) -> None:
             "--num-epochs": t.num_epochs is not None,
             "--exit-duration-in-mins": t.exit_duration_in_mins is not None,
             "--skip-train": bool(cfg.validation.skip_train),
-            "--data-path": ds.data_path is not None or not ds.mock,
             "--dataloader-type": ds.dataloader_type not in (None, "single"),
-            "--tokenizer-type": tok.tokenizer_type not in (None, "NullTokenizer")
-            or tok.tokenizer_model is not None,
+            "--tokenizer-metadata": tok.metadata_path is not None,
             "--pretrained-checkpoint": ck.pretrained_checkpoint is not None,
             "--ckpt-step": ck.ckpt_step is not None,
             "--async-save": ck.async_save,
@@ -63,6 +61,12 @@ def check_supported(cfg) -> None:
             "--check-for-spiky-loss": cfg.rerun_state_machine.check_for_spiky_loss,
         }
     )
+    if ds.reset_attention_mask:
+        raise ConfigError(
+            "--reset-attention-mask",
+            "is not supported yet by megatron_lite: its attention is causal over the whole sequence and "
+            "takes no per-document mask (--reset-position-ids and --eod-mask-loss are supported)",
+        )
     if d.overlap_param_gather and not (d.use_distributed_optimizer or o.use_distributed_optimizer):
         raise ConfigError("--overlap-param-gather", "needs --use-distributed-optimizer (as upstream)")
     if (
@@ -83,10 +87,15 @@ def check_supported(cfg) -> None:
     if p is not None:
         _refuse(
             {
-                "--record-memory-history": p.record_memory_history,
                 "--pytorch-profiler-collect-chakra": p.pytorch_profiler_collect_chakra,
             }
         )
+        if p.record_memory_history and not torch.cuda.is_available():
+            raise ConfigError(
+                "--record-memory-history",
+                "records the CUDA caching allocator's history, which needs CUDA; this machine has no GPU "
+                "(on CPU the memory/* dashboards and the OOM post-mortem still explain memory)",
+            )
         if p.use_nsys_profiler and not torch.cuda.is_available():
             raise ConfigError(
                 "--profile",
@@ -163,6 +172,7 @@ def check_ranges(cfg) -> None:
         "--lr-warmup-iters": s.lr_warmup_iters,
         "--lr-warmup-samples": s.lr_warmup_samples,
         "--lr-warmup-init": s.lr_warmup_init,
+        "--num-workers": getattr(cfg.dataset, "num_workers", 0),
     }.items():
         if value < 0:
             raise ConfigError(flag, f"must be >= 0, got {value}")

@@ -272,7 +272,10 @@ class ProfilingConfig:
     record_shapes: bool = False
     """Record tensor shapes in the NVTX ranges of the Nsight Systems profiler."""
     record_memory_history: bool = False
-    """CUDA memory snapshots (not supported yet)."""
+    """Record the CUDA allocator's history on every rank; the last rank writes a snapshot at every log
+    interval, a rank that runs out of memory its own (CUDA only)."""
+    memory_snapshot_path: str = "snapshot.pickle"
+    """Where the last rank writes the memory history snapshot (pickle; open it at pytorch.org/memory_viz)."""
 
     def finalize(self) -> None:
         require(

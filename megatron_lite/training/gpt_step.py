@@ -44,12 +44,14 @@ def get_batch(data_iterator: Iterable, cfg=None, use_mtp: bool = False, *, pg_co
     """Next microbatch as ``(tokens, labels, loss_mask, attention_mask, position_ids, None)`` (the
     last item is upstream's packed-sequence metadata, which we do not have), sliced to this CP rank.
 
-    Every stage reads the batch (the synthetic data is cheap and identical everywhere), which keeps all
-    stages' data position equal; only the first stage uses the tokens, only the last the labels.
+    Every stage reads the batch (mock samples are computed, real ones read from memory-mapped files:
+    cheap either way, and the same on every rank), which keeps all stages' data position equal; only
+    the first stage uses the tokens, only the last the labels and loss mask.
     """
     if use_mtp:
         raise NotImplementedError("multi-token prediction is not supported")
-    batch = next(data_iterator)
+    # Only the model's inputs: a blend's samples also carry their dataset_id.
+    batch = {k: v for k, v in next(data_iterator).items() if k in _BATCH_KEYS}
     if pg_collection.cp is not None:
         batch = get_batch_on_this_cp_rank(batch, pg_collection.cp.rank(), pg_collection.cp.size())
     return (*(batch.get(k) for k in _BATCH_KEYS), None)

@@ -8,18 +8,18 @@ from functools import partial
 
 import torch.distributed as dist
 
-from megatron_lite.core.datasets.gpt_dataset import MockGPTDataset
 from megatron_lite.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.core.optimizer import MegatronOptimizer, OptimizerParamScheduler
 from megatron_lite.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.utils import get_collective_device
-from megatron_lite.data.samplers import build_pretraining_data_loader
+from megatron_lite.data.loaders import build_data_iterator, build_train_valid_datasets
 from megatron_lite.training import checkpointing
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.initialize import initialize_megatron
 from megatron_lite.training.state import GlobalState
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
+from megatron_lite.training.utils.memory_attribution import MODEL_MEMORY
 from megatron_lite.training.utils.memory_utils import OPTIMIZER_STATE_MEMORY
 
 
@@ -57,32 +57,32 @@ def get_optimizer_param_scheduler(config: ConfigContainer, optimizer) -> Optimiz
     )
 
 
-def build_data_iterators(config: ConfigContainer, state: GlobalState, pg_collection: ProcessGroupCollection):
-    """Train and validation iterators positioned at the restored consumed-sample counts."""
-    t, m, ds = config.train, config.model, config.dataset
-    dp_rank, dp_size = dist.get_rank(pg_collection.dp), dist.get_world_size(pg_collection.dp)
-    v = config.validation
-    evals = (t.train_iters // v.eval_interval + 1) if v.eval_interval else 0
-
-    def loader(seed: int, num_samples: int, consumed: int, micro_batch_size: int):
-        if num_samples <= consumed:
-            return None
-        dataset = MockGPTDataset(
-            vocab_size=m.vocab_size, sequence_length=ds.sequence_length, seed=seed, num_samples=num_samples
+def build_data_iterators(
+    config: ConfigContainer, state: GlobalState, pg_collection: ProcessGroupCollection, num_chunks: int = 1
+):
+    """Train and validation iterators positioned at the restored consumed-sample counts: one pair,
+    or with ``num_chunks`` > 1 (virtual pipeline stages) one list of iterators per split, each over
+    the same samples, so every chunk reads each microbatch once. Collective over the world."""
+    t, v, ts = config.train, config.validation, state.train_state
+    train_ds, valid_ds = build_train_valid_datasets(config)
+    if dist.get_rank() == 0 and config.tokenizer.tokenizer_type is not None:
+        m = config.model
+        padded = m.padded_vocab_size
+        print(
+            f" > padded vocab (size: {m.vocab_size}) with {padded - m.vocab_size} dummy tokens "
+            f"(new size: {padded})",
+            flush=True,
         )
-        return iter(build_pretraining_data_loader(dataset, consumed, micro_batch_size, dp_rank, dp_size))
 
-    ts = state.train_state
-    train = loader(
-        ds.random_seed, t.train_iters * t.global_batch_size, ts.consumed_train_samples, t.micro_batch_size
-    )
-    eval_gbs = v.eval_global_batch_size or t.global_batch_size
-    valid = loader(
-        ds.random_seed + 1,
-        max(evals * v.eval_iters * eval_gbs, 1),
-        ts.consumed_valid_samples,
-        v.eval_micro_batch_size or t.micro_batch_size,
-    )
+    def iterators(dataset, consumed, micro_batch_size):
+        its = [
+            build_data_iterator(dataset, consumed, micro_batch_size, config, pg_collection.dp)
+            for _ in range(num_chunks)
+        ]
+        return its[0] if num_chunks == 1 else (its if its[0] is not None else None)
+
+    train = iterators(train_ds, ts.consumed_train_samples, t.micro_batch_size)
+    valid = iterators(valid_ds, ts.consumed_valid_samples, v.eval_micro_batch_size or t.micro_batch_size)
     return train, valid
 
 
@@ -129,16 +129,11 @@ def setup(state: GlobalState) -> SetupOutput:
         optimizer = MegatronOptimizer(
             config.optimizer, model, model_parallel_group=pg_collection.mp, tp_group=pg_collection.tp
         )
-    OPTIMIZER_STATE_MEMORY.track(optimizer)  # the memory report measures its state
+    OPTIMIZER_STATE_MEMORY.track(optimizer)  # the memory report measures its state,
+    MODEL_MEMORY.track(model)  # and the chunks' weights and gradient buffers
     scheduler = get_optimizer_param_scheduler(config, optimizer)
     if config.checkpoint.load:
         checkpointing.load_checkpoint(state, model, optimizer, scheduler, pg_collection)
     state.start_loggers()  # after loading: TensorBoard purges steps past the resumed iteration
-    if len(model) == 1:
-        train_iter, valid_iter = build_data_iterators(config, state, pg_collection)
-    else:
-        # One iterator per chunk, each over the same samples: every chunk reads each microbatch once.
-        iterators = [build_data_iterators(config, state, pg_collection) for _ in model]
-        train_iter = [train for train, _ in iterators]
-        valid_iter = [valid for _, valid in iterators] if iterators[0][1] is not None else None
+    train_iter, valid_iter = build_data_iterators(config, state, pg_collection, num_chunks=len(model))
     return SetupOutput(state, model, optimizer, scheduler, train_iter, valid_iter, pg_collection)

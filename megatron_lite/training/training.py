@@ -23,7 +23,14 @@ from megatron_lite.training.profiling import (
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 from megatron_lite.training.utils.flop_utils import num_floating_point_operations
 from megatron_lite.training.utils.loss_reduction import accumulate_loss_reports, reduce_loss_reports
+from megatron_lite.training.utils.memory_history import dump_memory_snapshot
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
+from megatron_lite.training.utils.pipeline_memory import (
+    headline_name,
+    peak_stage_metrics,
+    split_stage_slots,
+    with_stage_slots,
+)
 from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage, predicted_memory_metrics
 from megatron_lite.training.utils.train_utils import (
     device_memory_capacity_gigabytes,
@@ -81,22 +88,38 @@ def train_step(
 
 
 def _memory_metrics(lg, iteration: int, pp_group) -> dict[str, float] | None:
-    """This step's ``memory/*`` metrics: every key's max over the pipeline stages, and with
+    """This step's ``memory/*`` metrics: every key's max over the pipeline stages, which stage holds the
+    headline peak (``memory/peak-stage``) and the spread (``memory/pp-imbalance``), and with
     --log-memory-per-pp-stage each stage's own value; None when memory is not logged this step.
-    Collective over ``pp_group``: every PP rank calls it, before training_log's writer-gated block."""
+    Collective over ``pp_group``: every PP rank calls it, before training_log's writer-gated block.
+    Exactly one collective: the all-gather, or the MAX all-reduce with one headline slot per stage."""
     if not (lg.log_memory_to_tensorboard and iteration % lg.tensorboard_log_interval == 0):
         return None
     local_report = report_memory(lg.memory_keys)
     metrics: dict[str, float] = {}
+    num_stages = dist.get_world_size(pp_group) if pp_group is not None else 1
     if lg.log_memory_per_pp_stage:
         peak, stages = gather_memory_across_pp_group(local_report, pp_group)
         for stage, report in enumerate(stages):
             metrics.update({f"memory/pp-stage-{stage}/{k}": v for k, v in report.items()})
+        name = headline_name(local_report)
+        stage_values = [s[name] for s in stages] if name else None
     else:
-        peak = reduce_max_memory_across_pp_group(local_report, pp_group)
+        slotted = with_stage_slots(local_report, dist.get_rank(pp_group) if num_stages > 1 else 0, num_stages)
+        peak, stage_values = split_stage_slots(
+            reduce_max_memory_across_pp_group(slotted, pp_group), num_stages
+        )
     metrics.update({f"memory/{k}": v for k, v in peak.items()})
+    if stage_values:
+        metrics.update(peak_stage_metrics(stage_values))
     if (capacity := device_memory_capacity_gigabytes()) is not None:
         metrics["memory/capacity-gigabytes"] = capacity
+    if (retries := peak.get("mem-alloc-retries-delta", 0)) > 0:
+        print_rank_last(
+            f" memory: the CUDA caching allocator retried {retries} allocations since the last log (it had"
+            " to free its cache to find memory: fragmented or close to OOM); consider"
+            " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or more recomputation"
+        )
     return metrics
 
 
@@ -189,6 +212,13 @@ def train(forward_step_func, setup_output) -> None:
                 memory_report=memory_report,
             )
             handle_profiling_stop(prof_config, ts.step, rank, prof, nsys_context)
+            if (
+                prof_config is not None
+                and prof_config.record_memory_history
+                and ts.step % config.logger.log_interval == 0
+                and rank == dist.get_world_size() - 1  # as upstream: the last rank's history
+            ):
+                dump_memory_snapshot(prof_config.memory_snapshot_path)
             if (
                 config.validation.eval_interval
                 and ts.step % config.validation.eval_interval == 0

@@ -1,7 +1,8 @@
 """TokenizerConfig: which tokenizer turns text into ids (Megatron-Bridge's field names).
 
 ``build_tokenizer`` (tokenizers/tokenizer.py) builds it. Mock data is already ids and needs none;
-real data needs one for its end-of-document id, and the model's vocabulary follows it.
+real data needs one for its end-of-document id, and the model's vocabulary follows it
+(training/data_checks.resolve_vocab_size).
 """
 
 from __future__ import annotations
@@ -25,3 +26,6 @@ class TokenizerConfig:
     """GPT2BPETokenizer: GPT-2's merges.txt."""
     metadata_path: str | None = None
     """Tokenizer metadata file (not supported yet: None)."""
+    use_tokenizer_vocab_size: bool = False
+    """The model's vocabulary is the tokenizer's, whatever model.vocab_size says (pretrain.py sets it,
+    as Megatron-LM); else the model's is kept when it holds every token id (Megatron-Bridge)."""

@@ -17,6 +17,11 @@ import torch.distributed
 
 from megatron_lite.core.utils import get_collective_device
 from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
+from megatron_lite.training.utils.memory_attribution import (
+    ATTRIBUTION_MEMORY_KEYS,
+    MODEL_MEMORY,
+    other_memory_stats,
+)
 
 # torch.cuda.memory_stats() key -> logged name, exactly upstream's (order included).
 MEMORY_KEYS: dict[str, str] = {
@@ -33,8 +38,14 @@ MEMORY_KEYS: dict[str, str] = {
     "allocation.all.current": "mem-allocated-count",
 }
 
-# Our CUDA extra: out-of-memory errors the caching allocator has raised (upstream does not log it).
-CUDA_EXTRA_MEMORY_KEYS: dict[str, str] = {"num_ooms": "mem-ooms"}
+# Our CUDA extras (upstream logs none of them): out-of-memory errors the caching allocator has raised;
+# its health: the share of reserved memory not allocated ((reserved - allocated) / reserved), and how
+# many allocations it retried (freeing its cache to satisfy them) since the previous report.
+CUDA_EXTRA_MEMORY_KEYS: dict[str, str] = {
+    "num_ooms": "mem-ooms",
+    "fragmentation.current": "mem-fragmentation",
+    "num_alloc_retries.delta": "mem-alloc-retries-delta",
+}
 
 # Host (no CUDA) statistics, same conventions: the process's resident memory from the OS.
 HOST_MEMORY_KEYS: dict[str, str] = {
@@ -76,6 +87,23 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
+_previous_alloc_retries: list[int] = []  # the allocator's retry count at the previous report
+
+
+def _cuda_memory_stats() -> dict:
+    """torch.cuda.memory_stats() plus the allocator-health figures of CUDA_EXTRA_MEMORY_KEYS."""
+    stats = dict(torch.cuda.memory_stats())
+    reserved = stats.get("reserved_bytes.all.current", 0)
+    allocated = stats.get("allocated_bytes.all.current", 0)
+    stats["fragmentation.current"] = (reserved - allocated) / reserved if reserved else 0.0
+    if "num_alloc_retries" in stats:
+        retries = stats["num_alloc_retries"]
+        # Never negative: a counter reset (torch.cuda.reset_peak_memory_stats) is no retry.
+        stats["num_alloc_retries.delta"] = max(0, retries - (_previous_alloc_retries or [retries])[-1])
+        _previous_alloc_retries[:] = [retries]
+    return stats
+
+
 def _host_memory_stats() -> dict[str, int]:
     """Current and peak resident set size in bytes (peak since the process started)."""
     try:
@@ -100,10 +128,12 @@ def _activation_memory_stats() -> dict[str, int]:
 
 def default_memory_keys() -> dict[str, str]:
     """What ``report_memory(None)`` logs: upstream's MEMORY_KEYS plus ``mem-ooms`` on CUDA, the
-    ``mem-rss-*`` keys without CUDA, the ``mem-*activation*`` keys always, and
-    ``mem-optimizer-state-bytes`` once an optimizer is tracked."""
+    ``mem-rss-*`` keys without CUDA, the ``mem-*activation*`` keys always,
+    ``mem-optimizer-state-bytes`` once an optimizer is tracked and the attribution keys
+    (``mem-weights-bytes``, ``mem-grads-bytes``, ``mem-other-bytes``, ``mem-max-other-bytes``) once the
+    model is tracked too."""
     device_keys = {**MEMORY_KEYS, **CUDA_EXTRA_MEMORY_KEYS} if _cuda_in_use() else HOST_MEMORY_KEYS
-    return {**device_keys, **ACTIVATION_MEMORY_KEYS, **OPTIMIZER_MEMORY_KEYS}
+    return {**device_keys, **ACTIVATION_MEMORY_KEYS, **OPTIMIZER_MEMORY_KEYS, **ATTRIBUTION_MEMORY_KEYS}
 
 
 def _gigabytes(num_bytes: float) -> float:
@@ -124,9 +154,11 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict:
     count (its key contains "bytes") becomes gigabytes with "bytes" replaced by "gigabytes" in the
     name; counters keep their integer value. Peaks are since the start of the run.
     """
-    stats = dict(torch.cuda.memory_stats()) if _cuda_in_use() else _host_memory_stats()
+    stats = _cuda_memory_stats() if _cuda_in_use() else _host_memory_stats()
     stats.update(_activation_memory_stats())
     stats.update(OPTIMIZER_STATE_MEMORY.stats())
+    stats.update(MODEL_MEMORY.stats())
+    stats.update(other_memory_stats(stats))
     keys = memory_keys if memory_keys else default_memory_keys()
     report: dict = {}
     for stat_key, name in keys.items():

@@ -100,10 +100,12 @@ class StageMemoryPrediction:
     """First stage: the embedding's saves per microbatch."""
     logits_activation_bytes: int = 0
     """Last stage: the final norm's, output layer's, cross entropy's and loss's saves per microbatch."""
+    total_bytes: int = field(init=False)
+    """weights + grads + optimizer state + peak activations (a field, so ``asdict`` carries it)."""
 
-    @property
-    def total_bytes(self) -> int:
-        return self.weights_bytes + self.grads_bytes + self.optimizer_state_bytes + self.activation_bytes
+    def __post_init__(self) -> None:
+        total = self.weights_bytes + self.grads_bytes + self.optimizer_state_bytes + self.activation_bytes
+        object.__setattr__(self, "total_bytes", total)
 
 
 def predict_memory_per_stage(config, dp_rank: int = 0) -> list[StageMemoryPrediction]:

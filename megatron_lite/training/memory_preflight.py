@@ -1,0 +1,209 @@
+"""Will it fit? The per-stage memory prediction for an exact command line, before any GPU hour is spent.
+
+    python pretrain.py ... --memory-preflight --device-memory-gb 80
+
+Builds no world and trains nothing: predicts each pipeline stage's weights, gradients, optimizer state
+and peak activations for the layout as given (theoretical_memory.py), prints them beside the device's
+memory, names the first stage expected to run out, and searches the memory levers for the cheapest
+change that makes every stage fit. Exit 0 when it fits, 1 when it does not, 2 on bad input.
+
+A stage fits when its predicted total leaves ``RESERVE_FRACTION`` of the device free: the prediction
+covers the tensors, not the CUDA context, communication buffers, temporaries or allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+from megatron_lite.training.config_errors import ConfigError
+
+RESERVE_FRACTION = 0.10
+PREFLIGHT_FLAGS = ("--memory-preflight", "--device-memory-gb")
+
+
+@dataclass(frozen=True)
+class Change:
+    """A set of flags and its rough price in extra step time (a fraction: 0.25 = 25% slower)."""
+
+    flags: tuple[str, ...]
+    cost: float
+    why: str
+
+
+def _recompute_changes(layers_per_chunk: int) -> list[Change]:
+    # Selective recompute re-runs only core attention; full recompute of N of a chunk's layers re-runs
+    # their forward in backward (a forward is about a third of a step).
+    changes = [Change(("--recompute-granularity", "selective"), 0.03, "recompute core attention")]
+    for n in range(1, layers_per_chunk + 1):
+        flags = (
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            str(n),
+        )
+        changes.append(Change(flags, 0.33 * n / layers_per_chunk, f"recompute {n} layer(s) per chunk"))
+    return changes
+
+
+def candidate_changes(config) -> list[Change]:
+    """Every combination of the levers this layout can still pull, cheapest first."""
+    m = config.model
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    vp = m.virtual_pipeline_model_parallel_size or 1
+    sp = [None] if m.sequence_parallel or tp == 1 else [None, Change(("--sequence-parallel",), 0.0, "")]
+    distributed = config.optimizer.use_distributed_optimizer or config.data_parallel_size == 1
+    distopt = [None] if distributed else [None, Change(("--use-distributed-optimizer",), 0.01, "")]
+    recompute = [None] + (
+        [] if m.recompute_granularity == "full" else _recompute_changes(m.num_layers // (pp * vp))
+    )
+    # A deeper pipeline spreads weights and optimizer state over more GPUs: the dearest change.
+    world = config.world_size
+    deeper = [None] + [
+        Change(
+            ("--pipeline-model-parallel-size", str(pp * k), "--nproc-per-node", str(world * k)),
+            float(k - 1),
+            f"{k}x the GPUs",
+        )
+        for k in (2, 4)
+        if m.num_layers % (pp * k * vp) == 0
+    ]
+    combos = []
+    for parts in itertools.product(sp, distopt, recompute, deeper):
+        chosen = [c for c in parts if c is not None]
+        if chosen:
+            flags = tuple(f for c in chosen for f in c.flags)
+            combos.append(
+                Change(flags, sum(c.cost for c in chosen), "; ".join(c.why for c in chosen if c.why))
+            )
+    return sorted(combos, key=lambda c: (c.cost, len(c.flags)))
+
+
+def _config(argv: list[str]):
+    from megatron_lite.training.arguments import config_from_argv
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return config_from_argv(argv)
+
+
+def _gb(num_bytes: float) -> float:
+    return num_bytes / 1e9
+
+
+def _fits(predictions, capacity_gb: float) -> list[bool]:
+    return [_gb(p.total_bytes) <= capacity_gb * (1 - RESERVE_FRACTION) for p in predictions]
+
+
+def format_table(predictions, capacity_gb: float) -> str:
+    header = (
+        f"{'stage':>5} {'weights':>9} {'grads':>9} {'optimizer':>9} {'activations':>11} "
+        f"{'total':>9} {'headroom':>9}   (GB, predicted)"
+    )
+    rows = [header]
+    for i, p in enumerate(predictions):
+        total = _gb(p.total_bytes)
+        rows.append(
+            f"{i:>5} {_gb(p.weights_bytes):>9.2f} {_gb(p.grads_bytes):>9.2f} {_gb(p.optimizer_state_bytes):>9.2f} "
+            f"{_gb(p.activation_bytes):>11.2f} {total:>9.2f} {capacity_gb - total:>9.2f}"
+        )
+    return "\n".join(rows)
+
+
+def preflight(argv: list[str], capacity_gb: float, out=sys.stdout) -> int:
+    """Print the prediction and verdict for ``argv`` (pretrain.py's flags without the preflight's)."""
+    from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage
+
+    config = _config(argv)
+    m = config.model
+    predictions = predict_memory_per_stage(config)
+    layout = (
+        f"tp {m.tensor_model_parallel_size} x pp {m.pipeline_model_parallel_size} x cp "
+        f"{m.context_parallel_size} x dp {config.data_parallel_size}, vp "
+        f"{m.virtual_pipeline_model_parallel_size or 1}, {config.num_microbatches} microbatches of "
+        f"{config.train.micro_batch_size}"
+    )
+    print(f" memory preflight ({layout}; a prediction: no world built, nothing trained)", file=out)
+    print(format_table(predictions, capacity_gb), file=out)
+    usable = capacity_gb * (1 - RESERVE_FRACTION)
+    print(
+        f" device: {capacity_gb:g} GB, of which {usable:g} GB for the predicted tensors "
+        f"({RESERVE_FRACTION:.0%} kept for the CUDA context, communication buffers, temporaries, fragmentation)",
+        file=out,
+    )
+    fits = _fits(predictions, capacity_gb)
+    if all(fits):
+        peak = max(range(len(predictions)), key=lambda i: predictions[i].total_bytes)
+        print(
+            f" verdict: fits; the peak is stage {peak}'s {_gb(predictions[peak].total_bytes):.2f} GB",
+            file=out,
+        )
+        return 0
+    failing = [i for i, ok in enumerate(fits) if not ok]
+    first = max(failing, key=lambda i: (predictions[i].total_bytes, -i))
+    print(
+        f" verdict: does not fit: stage {first} runs out first (predicted {_gb(predictions[first].total_bytes):.2f}"
+        f" GB > {usable:g} GB); stages that do not fit: {', '.join(map(str, failing))}",
+        file=out,
+    )
+    for change in candidate_changes(config):
+        try:
+            candidate = _config([*argv, *change.flags])
+        except (ConfigError, ValueError, AssertionError):
+            continue
+        after = predict_memory_per_stage(candidate)
+        if all(_fits(after, capacity_gb)):
+            peak = max(range(len(after)), key=lambda i: after[i].total_bytes)
+            print(
+                f" cheapest change that fits every stage: {' '.join(change.flags)}  ({change.why}; about "
+                f"{change.cost:.0%} more time per step; predicted peak {_gb(after[peak].total_bytes):.2f} GB "
+                f"on stage {peak})",
+                file=out,
+            )
+            return 1
+    print(
+        " no combination of the memory levers makes every stage fit: a smaller micro-batch or model", file=out
+    )
+    return 1
+
+
+def main(argv: list[str]) -> int:
+    """pretrain.py's entry for --memory-preflight: bad input is one line and exit 2."""
+    rest, capacity = [], None
+    it = iter(argv)
+    for arg in it:
+        if arg == "--memory-preflight":
+            continue
+        if arg == "--device-memory-gb" or arg.startswith("--device-memory-gb="):
+            value = arg.split("=", 1)[1] if "=" in arg else next(it, None)
+            try:
+                capacity = float(value)
+            except (TypeError, ValueError):
+                capacity = -1.0
+            if not capacity > 0:
+                print(
+                    f"pretrain.py: error: --device-memory-gb: a positive number of GB, got {value!r}",
+                    file=sys.stderr,
+                )
+                return 2
+            continue
+        rest.append(arg)
+    if capacity is None:
+        print(
+            "pretrain.py: error: --memory-preflight: needs --device-memory-gb (the GPU's memory)",
+            file=sys.stderr,
+        )
+        return 2
+    start = time.perf_counter()
+    try:
+        code = preflight(rest, capacity)
+    except ConfigError as err:
+        print(f"pretrain.py: error: {err}", file=sys.stderr)
+        return 2
+    print(f" (preflight took {time.perf_counter() - start:.2f} s)")
+    return code

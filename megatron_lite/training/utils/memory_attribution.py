@@ -1,0 +1,86 @@
+"""What this rank's memory is made of, measured from the tensors: weights, gradient buffers, and the
+rest of the allocator's (or the process's) total once the optimizer state and activations are taken out.
+
+The weights are the model chunks' parameter storages, each counted once (tied weights, and parameters
+that are views of one contiguous buffer, share a storage); the gradients are the DDP buffers' fp32
+``main_grad`` storage. ``other`` is the total minus weights, gradients, optimizer state and activations:
+on CUDA the caching allocator's allocated bytes (temporaries, communication buffers, the loss), on the
+host the resident set (that also holds the interpreter and torch's libraries).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Statistic key -> logged name, the convention of memory_utils (bytes become gigabytes when logged).
+ATTRIBUTION_MEMORY_KEYS: dict[str, str] = {
+    "weights_bytes.current": "mem-weights-bytes",
+    "grads_bytes.current": "mem-grads-bytes",
+    "other_bytes.current": "mem-other-bytes",
+    "other_bytes.peak": "mem-max-other-bytes",
+}
+
+
+def _unique_storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen.setdefault(storage.data_ptr(), storage.nbytes())
+    return sum(seen.values())
+
+
+def weights_bytes(model_chunks) -> int:
+    """Bytes of the parameters of ``model_chunks``, every storage once."""
+    return _unique_storage_bytes(p for chunk in model_chunks for p in chunk.parameters())
+
+
+def grads_bytes(model_chunks) -> int:
+    """Bytes of the gradient buffers (DDP's contiguous ``grad_data``), plus any plain ``.grad``."""
+    buffers = [buf.grad_data for chunk in model_chunks for buf in getattr(chunk, "buffers", [])]
+    plain = [p.grad for chunk in model_chunks for p in chunk.parameters() if p.grad is not None]
+    return _unique_storage_bytes([*buffers, *plain])
+
+
+class ModelMemory:
+    """Holds the run's model chunks so the memory report can measure their weights and gradients."""
+
+    def __init__(self):
+        self.model_chunks: list[torch.nn.Module] | None = None
+
+    def track(self, model_chunks) -> None:
+        self.model_chunks = list(model_chunks)
+
+    def stats(self) -> dict[str, int]:
+        if self.model_chunks is None:
+            return {}
+        return {
+            "weights_bytes.current": weights_bytes(self.model_chunks),
+            "grads_bytes.current": grads_bytes(self.model_chunks),
+        }
+
+
+MODEL_MEMORY = ModelMemory()
+
+
+def other_memory_stats(stats: dict[str, int]) -> dict[str, int]:
+    """``other_bytes.*`` from a statistics dict that already holds the totals and the parts.
+
+    Current: the total now minus weights, gradients, optimizer state and the activations alive now.
+    Peak: the peak total minus the same static parts and the activations' peak (the activation peak is
+    where the total peaks in training). Empty until the model and the optimizer are tracked.
+    """
+    parts = ("weights_bytes.current", "grads_bytes.current", "optimizer_state_bytes.current")
+    if not all(k in stats for k in parts):
+        return {}
+    total, peak = (
+        ("allocated_bytes.all.current", "allocated_bytes.all.peak")
+        if "allocated_bytes.all.current" in stats
+        else ("rss_bytes.current", "rss_bytes.peak")
+    )
+    if total not in stats:
+        return {}
+    static = sum(stats[k] for k in parts)
+    return {
+        "other_bytes.current": stats[total] - static - stats.get("activation_bytes.current", 0),
+        "other_bytes.peak": stats[peak] - static - stats.get("activation_bytes.peak", 0),
+    }

@@ -1,0 +1,80 @@
+"""When a rank runs out of memory: what it held, written down before it dies.
+
+The rank that fails an allocation (``torch.OutOfMemoryError`` on CUDA, ``MemoryError`` or the CPU
+allocator's "can't allocate memory" error on the host) writes ``oom-rank<r>.json`` into the log
+directory (--tensorboard-dir, else --save, else the working directory): its rank and pipeline stage,
+the iteration, the error, its memory report with the attribution (weights, gradients, optimizer state,
+activations, other) and the prediction for its stage. It then raises :class:`OutOfMemoryPostMortem`,
+whose one line (stage and file) is what the launcher prints; the other ranks fail on the broken
+connections and are stopped. Nothing here is collective: the other ranks cannot take part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from megatron_lite.training.utils.memory_utils import report_memory
+
+
+class OutOfMemoryPostMortem(RuntimeError):
+    """A rank ran out of memory; its record is at ``path``."""
+
+    def __init__(self, rank: int, stage: int, iteration: int, path: str, error: str):
+        self.rank, self.stage, self.iteration, self.path = rank, stage, iteration, path
+        super().__init__(
+            f"rank {rank} (pipeline stage {stage}) ran out of memory at iteration {iteration}: {error}; "
+            f"post-mortem: {path}"
+        )
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+
+
+def short_error(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def log_directory(config) -> str:
+    return config.logger.tensorboard_dir or config.checkpoint.save or os.getcwd()
+
+
+def _prediction(config, stage: int) -> dict | None:
+    try:
+        from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage
+    except ImportError:
+        return None
+    from dataclasses import asdict
+
+    return {"label": "prediction", **asdict(predict_memory_per_stage(config)[stage])}
+
+
+def write_postmortem(config, rank: int, stage: int, iteration: int, err: BaseException) -> str:
+    """Write this rank's record atomically; returns its path."""
+    record = {
+        "rank": rank,
+        "pipeline_stage": stage,
+        "iteration": iteration,
+        "error": short_error(err),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "memory_gigabytes": report_memory(config.logger.memory_keys),
+        "prediction_bytes": _prediction(config, stage),
+    }
+    directory = log_directory(config)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"oom-rank{rank}.json")
+    partial = f"{path}.tmp{os.getpid()}"
+    with open(partial, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    return path

@@ -1,0 +1,76 @@
+"""--memory-preflight: the per-stage prediction for an exact command line, a verdict, and the cheapest
+fix, without building a world; on the README's cluster example at its real size."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import time
+
+from dist_helpers import REPO, run_pretrain
+
+
+def readme_cluster_argv() -> list[str]:
+    """The flags of the README's torchrun example (32 layers, hidden 4096, tp 4 x pp 4, 16 ranks)."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"torchrun --nnodes 2 --nproc-per-node 8 .*?\n(.*?)```", text, re.S).group(0)
+    command = shlex.split(block.replace("\\\n", " ").split("```")[0])
+    return command[command.index("pretrain.py") + 1 :] + ["--nproc-per-node", "16"]
+
+
+def _preflight(tmp_path, argv, device_gb):
+    start = time.perf_counter()
+    result = run_pretrain(
+        [*argv, "--memory-preflight", "--device-memory-gb", str(device_gb)], tmp_path, timeout=120
+    )
+    print(result.stdout, f"(wall {time.perf_counter() - start:.1f} s)")
+    assert os.listdir(tmp_path) == []  # no world, no logs, no checkpoints
+    assert result.stderr == ""
+    return result
+
+
+def _table(stdout: str) -> dict[int, float]:
+    """Stage -> predicted total GB, from the printed table."""
+    rows = re.findall(
+        r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)$", stdout, re.M
+    )
+    return {int(r[0]): float(r[5]) for r in rows}
+
+
+def test_the_readme_cluster_example_fits_an_80_gb_gpu(tmp_path):
+    argv = readme_cluster_argv()
+    result = _preflight(tmp_path, argv, 80)
+    assert result.returncode == 0, result.stdout
+    totals = _table(result.stdout)
+    assert sorted(totals) == [0, 1, 2, 3]  # one row per pipeline stage
+    assert all(0 < t <= 72 for t in totals.values())
+    assert "verdict: fits" in result.stdout
+
+
+def test_a_layout_that_does_not_fit_names_the_stage_and_the_fix_that_makes_it_fit(tmp_path):
+    argv = readme_cluster_argv()
+    totals = _table(_preflight(tmp_path, argv, 80).stdout)
+    device = round(max(totals.values()) * 0.8, 1)  # smaller than the peak stage needs
+    result = _preflight(tmp_path, argv, device)
+    assert result.returncode == 1
+    peak_stage = max(totals, key=totals.get)
+    assert f"stage {peak_stage} runs out first" in result.stdout, result.stdout
+    fix = re.search(r"cheapest change that fits every stage: (.*?)  \(", result.stdout).group(1).split()
+    applied = _preflight(tmp_path, [*argv, *fix], device)
+    assert applied.returncode == 0, applied.stdout
+    assert "verdict: fits" in applied.stdout
+
+
+def test_preflight_bad_input_is_one_line_and_exit_2(tmp_path):
+    argv = readme_cluster_argv()
+    for extra, message in (
+        (["--memory-preflight"], "--memory-preflight: needs --device-memory-gb"),
+        (["--memory-preflight", "--device-memory-gb", "-3"], "--device-memory-gb: a positive number of GB"),
+        (["--device-memory-gb", "80"], "--memory-preflight: is a mode of pretrain.py"),
+    ):
+        result = run_pretrain([*argv, *extra], tmp_path)
+        assert result.returncode == 2, (extra, result.stdout, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pretrain.py: error: ") and message in lines[0], lines
+    assert os.listdir(tmp_path) == []
