@@ -18,7 +18,8 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]  # this checkout's megatron_lite, and the test helpers
 
 from memory_measure import QUANTITIES, measure  # noqa: E402
 
