@@ -46,6 +46,10 @@ inputs and the rest whole; in backward a unit re-saves its layers while the inpu
 units before it are held. Selective keeps core attention's (or the MLP's) inputs and re-saves the rest
 of one layer in backward.
 
+The counts are PyTorch's CPU kernels', which the tests measure byte for byte. On CUDA the same tensors
+are saved except where dropout is on (CUDA's dropout keeps 1-byte masks, and its flash / efficient
+attention keeps an RNG state instead of the probabilities): not verified on a GPU yet.
+
 The schedule: each rank's forwards and backwards in the schedule's own order (plain 1F1B:
 ``min(pp - rank - 1, m)`` warmup forwards, so at most ``min(pp - rank, m)`` microbatches in flight;
 interleaved: upstream's schedule table and warmup), adding a chunk-microbatch's kept bytes at its
