@@ -160,11 +160,11 @@ def train(forward_step_func, setup_output) -> None:
     if should_profile_rank(prof_config, rank) and prof_config.use_pytorch_profiler:
         prof = initialize_pytorch_profiler(prof_config, config.logger.tensorboard_dir)
         prof.start()
-    if config.logger.log_memory_to_tensorboard:
-        # The prediction is a pure function of the config: the writer logs it alone, no collective.
-        MetricsWriter.from_state(state).write(
-            predicted_memory_metrics(predict_memory_per_stage(config)), ts.step
-        )
+    if config.logger.log_memory_to_tensorboard and (writer := MetricsWriter.from_state(state)):
+        # A pure function of the config: the writer logs it alone, no collective. Its per-stage
+        # measurements come from its own pipeline, so the prediction is for its dp x cp rank.
+        predicted = predict_memory_per_stage(config, dp_rank=_rank(s.pg_collection.dp_cp))
+        writer.write(predicted_memory_metrics(predicted), ts.step)
     with handler:
         timers("interval-time", log_level=0).start()
         while ts.step < config.train.train_iters:
