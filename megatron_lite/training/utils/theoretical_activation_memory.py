@@ -74,16 +74,15 @@ def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
     if m.attention_dropout > 0.0:
         # PyTorch's math path: scaled q and k, softmax, dropout mask and dropped probabilities, v
         # (GQA's k and v expanded to all heads); its output is copied by the reshape before linear_proj.
-        kv_heads = heads
         probs = b * heads * x.local_seq * x.seq * e
         core = {
             "q.scaled": t * heads * d * e,
-            "k.scaled": b * kv_heads * x.seq * d * e,
+            "k.scaled": b * heads * x.seq * d * e,
             "softmax": probs,
             "dropout.mask": probs,
             "dropout.output": probs,
         }
-        core.update(mixed if heads == groups and cp == 1 else {"v.expanded": b * kv_heads * x.seq * d * e})
+        core.update(mixed if heads == groups and cp == 1 else {"v.expanded": b * heads * x.seq * d * e})
         return inputs, core, {"linear_proj.input": t * heads * d * e}
     # The CPU flash kernel: q, k, v, its output and the log-sum-exp (fp32).
     core = {**q, "logsumexp": t * heads * 4, **out}

@@ -20,8 +20,9 @@ and microbatch, for t = s b / cp tokens, t' = t / tp under sequence parallelism 
 size e (2 with bf16, 4 without), heads a and query groups g per TP rank, head size d, MLP width f per
 TP rank (fc1 2f when gated) and the CPU flash attention kernel:
 
-- input_layernorm: its input t'h e and statistics (LayerNorm mean + rstd 2t'e; RMSNorm rstd t'e and
-  x rstd t'h e); linear_qkv its input (the norm's output, the local shard under SP) t'h e;
+- input_layernorm: LayerNorm its input t'h e, mean and rstd 2t'e; RMSNorm (computed in fp32) an fp32
+  copy of its input t'h 4 (the input itself when fp32), rstd t'4 and x rstd t'h 4; linear_qkv its
+  input (the norm's output, the local shard under SP) t'h e;
 - the QKV output t(a + 2g)d e, which v (always) and q, k (unless rotated, or q regrouped by GQA) view;
   rotated q and k (t a d e, t g d e) and their cos/sin (4 s/cp rot 4); core attention's output t a d e
   (shared with linear_proj's input) and log-sum-exp t a 4; with cp the gathered k and v (b g s d e
@@ -43,8 +44,13 @@ this rank's vocabulary t V/tp 4, its bool mask and int64 targets t 9, and the fp
 Recomputation: full ``uniform`` keeps each unit's input (t'h e, split over TP by
 --distribute-saved-activations; the rotary angles once per chunk), ``block`` keeps the first N layers'
 inputs and the rest whole; in backward a unit re-saves its layers while the inputs of it and of the
-units before it are held. Selective keeps core attention's (or the MLP's) inputs and re-saves the rest
-of one layer in backward.
+units before it are held. Selective keeps core attention's (or the MLP's) inputs; in backward the last
+layer re-saves the module's internals after releasing what it saved after the module.
+
+A layer in a training step saves exactly what a bare layer forward does (tested to the byte). A step's
+per-layer average is higher on the first and last stage only: their chunks also hold the embedding
+and, above all, the logits and loss saves (5% of a layer-microbatch on the last stage of the
+interleaving test's model), which is where a "7% more per layer" reading comes from.
 
 The counts are PyTorch's CPU kernels', which the tests measure byte for byte. On CUDA the same tensors
 are saved except where dropout is on (CUDA's dropout keeps 1-byte masks, and its flash / efficient
