@@ -235,6 +235,10 @@ def test_memory_flag_without_dir_logs_to_a_printed_default(tmp_path):
     assert logdir.is_dir() and len(list(logdir.glob("events.out.tfevents.*"))) == 1
     assert "memory/mem-max-activation-gigabytes" in scalars(logdir)
     assert "memory per pipeline stage" in result.stdout
+    # Under the measured row, the prediction, labelled as one, beside the keys it predicts.
+    assert "'pred' rows: theoretical_memory's prediction, not measured" in result.stdout
+    pred = next(ln for ln in result.stdout.splitlines() if ln.startswith("    0 pred "))
+    assert "predicted total" in pred and len(pred.split()) > 4
 
 
 def test_logger_that_cannot_start_fails_every_rank_with_one_line(tmp_path):
