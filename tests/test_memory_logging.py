@@ -134,7 +134,13 @@ def test_cuda_run_dashboard_tags_are_upstreams(tmp_path):
         "peak-stage",
         "pp-imbalance",
     ]
-    assert sorted(logged) == sorted(f"memory/{name}" for name in upstream + ours)
+    # theoretical_memory's prediction, logged once at start for each stage, labelled as one.
+    predicted = [
+        f"pp-stage-{stage}/predicted-{q}-gigabytes"
+        for stage in range(2)
+        for q in ("weights", "grads", "optimizer-state", "max-activation", "total")
+    ]
+    assert sorted(logged) == sorted(f"memory/{name}" for name in upstream + ours + predicted)
     assert logged["memory/mem-max-reserved-gigabytes"] == {1: 2.0, 2: 2.0}  # stage 1's, the larger
     assert logged["memory/mem-alloc-retires"][2] == 5 and logged["memory/mem-allocated-count"][2] == 101
     assert logged["memory/mem-fragmentation"][2] == pytest.approx(0.5)
@@ -229,6 +235,10 @@ def test_memory_flag_without_dir_logs_to_a_printed_default(tmp_path):
     assert logdir.is_dir() and len(list(logdir.glob("events.out.tfevents.*"))) == 1
     assert "memory/mem-max-activation-gigabytes" in scalars(logdir)
     assert "memory per pipeline stage" in result.stdout
+    # Under the measured row, the prediction, labelled as one, beside the keys it predicts.
+    assert "'pred' rows: theoretical_memory's prediction, not measured" in result.stdout
+    pred = next(ln for ln in result.stdout.splitlines() if ln.startswith("    0 pred "))
+    assert "predicted total" in pred and len(pred.split()) > 4
 
 
 def test_logger_that_cannot_start_fails_every_rank_with_one_line(tmp_path):
@@ -296,6 +306,37 @@ def test_memory_report_tool_names_the_stage_and_headroom(tmp_path):
     assert result.returncode == 0, result.stderr
     row = next(ln for ln in result.stdout.splitlines() if ln.startswith("mem-max-allocated-gigabytes"))
     assert row.split()[1:] == ["63", "3", "pp", "stage", "0", "17.000"]
+
+
+def test_memory_report_tool_compares_measured_and_predicted_per_stage(tmp_path):
+    """Each stage's measured peak beside the prediction logged at start, with the error in %; a
+    prediction without a measurement (the total) is left out of the comparison."""
+    import subprocess
+    import sys
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path)) as writer:
+        for stage, (predicted, measured) in enumerate([(10.0, 8.0), (5.0, 5.0)]):
+            tag = f"memory/pp-stage-{stage}/"
+            writer.add_scalar(tag + "predicted-max-activation-gigabytes", predicted, 0)
+            writer.add_scalar(tag + "predicted-total-gigabytes", 3 * predicted, 0)
+            for step in (1, 2):
+                writer.add_scalar(tag + "mem-max-activation-gigabytes", measured - 2 + 2 * (step - 1), step)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    table = lines[lines.index(next(ln for ln in lines if ln.startswith("measured vs predicted"))) + 2 :]
+    assert [row.split() for row in table] == [
+        ["pp", "0", "mem-max-activation-gigabytes", "8", "10", "+25.00"],
+        ["pp", "1", "mem-max-activation-gigabytes", "5", "5", "+0.00"],
+    ]
+    assert not any(ln.startswith("predicted-") for ln in lines)  # not in the measured-peak table
 
 
 def test_memory_report_tool_refuses_a_run_without_memory(tmp_path):

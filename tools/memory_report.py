@@ -5,8 +5,11 @@
 
 For every memory metric: its peak over the run, which pipeline stage holds it (needs a run with
 --log-memory-per-pp-stage; otherwise the logged value is already the pipeline-wide max and the stage is
-unknown) and the headroom left where the device capacity was logged (CUDA runs). With --png, plots each
-metric over iterations, one line per stage (needs matplotlib: pip install 'megatron_lite[plot]').
+unknown) and the headroom left where the device capacity was logged (CUDA runs). Then, for each stage
+and each quantity the run both measured and predicted (``memory/pp-stage-<i>/predicted-*``, logged at
+start from theoretical_memory): the measured peak, the prediction and the prediction's error in %.
+With --png, plots each metric over iterations, one line per stage (needs matplotlib:
+pip install 'megatron_lite[plot]').
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from collections import defaultdict
 
 STAGE_TAG = re.compile(r"^memory/pp-stage-(\d+)/(.+)$")
+PREDICTED = "predicted-"  # predicted-<quantity>-gigabytes sits beside the measured mem-<quantity>-gigabytes
 CAPACITY = "memory/capacity-gigabytes"
 
 
@@ -40,6 +44,48 @@ def load_memory_scalars(logdir: str) -> tuple[dict, dict, dict]:
         else:
             pipeline[tag[len("memory/") :]] = series
     return pipeline, dict(stages), capacity
+
+
+def split_predictions(stages: dict) -> tuple[dict, dict]:
+    """(measured per-stage series, predicted per-stage series), each keyed by metric name."""
+    measured = {k: v for k, v in stages.items() if not k.startswith(PREDICTED)}
+    return measured, {k: v for k, v in stages.items() if k.startswith(PREDICTED)}
+
+
+def compare(stages: dict, predicted: dict) -> list[dict]:
+    """One row per stage and quantity with both a measurement (its peak over the run) and a
+    prediction (the latest logged): measured, predicted, error % of the prediction."""
+    rows = []
+    for name in sorted(predicted):
+        measured_name = "mem-" + name[len(PREDICTED) :]
+        for stage, series in sorted(predicted[name].items()):
+            measured_series = stages.get(measured_name, {}).get(stage)
+            if not measured_series:
+                continue
+            measured = max(v for _, v in measured_series)
+            guess = series[-1][1]
+            error = 100.0 * (guess - measured) / measured if measured else None
+            rows.append(
+                {
+                    "stage": stage,
+                    "metric": measured_name,
+                    "measured": measured,
+                    "predicted": guess,
+                    "error": error,
+                }
+            )
+    return sorted(rows, key=lambda r: (r["stage"], r["metric"]))
+
+
+def print_comparison(rows: list[dict], out=sys.stdout) -> None:
+    print("\nmeasured vs predicted (theoretical_memory; a prediction, not a measurement):", file=out)
+    print(f"{'stage':<10}{'metric':<36}{'measured':>12}{'predicted':>12}{'error %':>10}", file=out)
+    for r in rows:
+        error = f"{r['error']:+.2f}" if r["error"] is not None else "n/a"
+        print(
+            f"{'pp ' + str(r['stage']):<10}{r['metric']:<36}{r['measured']:>12.6g}{r['predicted']:>12.6g}{error:>10}",
+            file=out,
+        )
 
 
 def summarize(pipeline: dict, stages: dict, capacity: list) -> list[dict]:
@@ -105,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    stages, predicted = split_predictions(stages)
     print_table(summarize(pipeline, stages, capacity))
+    if comparison := compare(stages, predicted):
+        print_comparison(comparison)
     if args.png:
         try:
             plot(pipeline, stages, args.png)

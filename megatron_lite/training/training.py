@@ -24,12 +24,14 @@ from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 from megatron_lite.training.utils.flop_utils import num_floating_point_operations
 from megatron_lite.training.utils.loss_reduction import accumulate_loss_reports, reduce_loss_reports
 from megatron_lite.training.utils.memory_history import dump_memory_snapshot
+from megatron_lite.training.utils.metrics_writer import MetricsWriter
 from megatron_lite.training.utils.pipeline_memory import (
     headline_name,
     peak_stage_metrics,
     split_stage_slots,
     with_stage_slots,
 )
+from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage, predicted_memory_metrics
 from megatron_lite.training.utils.train_utils import (
     device_memory_capacity_gigabytes,
     gather_memory_across_pp_group,
@@ -121,6 +123,10 @@ def _memory_metrics(lg, iteration: int, pp_group) -> dict[str, float] | None:
     return metrics
 
 
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
 def train(forward_step_func, setup_output) -> None:
     """Run iterations until train_iters, exit_interval or an agreed SIGTERM; save as configured."""
     s = setup_output
@@ -154,6 +160,11 @@ def train(forward_step_func, setup_output) -> None:
     if should_profile_rank(prof_config, rank) and prof_config.use_pytorch_profiler:
         prof = initialize_pytorch_profiler(prof_config, config.logger.tensorboard_dir)
         prof.start()
+    if config.logger.log_memory_to_tensorboard and (writer := MetricsWriter.from_state(state)):
+        # A pure function of the config: the writer logs it alone, no collective. Its per-stage
+        # measurements come from its own pipeline, so the prediction is for its dp x cp rank.
+        predicted = predict_memory_per_stage(config, dp_rank=_rank(s.pg_collection.dp_cp))
+        writer.write(predicted_memory_metrics(predicted), ts.step)
     with handler:
         timers("interval-time", log_level=0).start()
         while ts.step < config.train.train_iters:

@@ -1,0 +1,262 @@
+"""Predicted saved-for-backward bytes of one layer, one model chunk and one pipeline rank's step.
+
+What each op of our model saves is derived in theoretical_memory's docstring; here it is counted as
+storages (a dict of named byte counts, a storage shared by several saved tensors counted once, as
+the ActivationMemoryTracker counts them). :func:`chunk_activations` gives a chunk-microbatch's kept
+bytes after its forward and the most it holds during its backward (recomputation re-saves one unit);
+:func:`schedule_peak` plays the pipeline schedule's forwards and backwards over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.core.pipeline_parallel.interleaved import get_pp_rank_microbatches, get_schedule_table
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The per-microbatch sizes the saves are made of, for tensor-parallel rank 0 of a CP rank."""
+
+    tokens: int  # s / cp * b: the CP-local tokens of a microbatch
+    norm_tokens: int  # tokens / tp under sequence parallelism, else tokens
+    seq: int  # the whole sequence s (keys and values after the CP all-gather)
+    local_seq: int  # s / cp
+    batch: int  # the micro-batch size b
+    elt: int  # bytes of an activation element (2 with bf16, else 4)
+    m: object  # the GPTModelProvider
+
+
+def make_shape(config) -> Shape:
+    m = config.model
+    tokens = config.dataset.sequence_length // m.context_parallel_size * config.train.micro_batch_size
+    norm_tokens = tokens // m.tensor_model_parallel_size if m.sequence_parallel else tokens
+    elt = 2 if (m.bf16 or m.fp16) else 4
+    seq = config.dataset.sequence_length
+    batch = config.train.micro_batch_size
+    return Shape(tokens, norm_tokens, seq, seq // m.context_parallel_size, batch, elt, m)
+
+
+def _rotary_dim(m) -> int:
+    return int(m.kv_channels * m.rotary_percent) if m.rotary_percent < 1.0 else m.kv_channels
+
+
+def norm_keeps_input(m) -> bool:
+    """Whether a norm saves its input tensor itself: LayerNorm does; RMSNorm computes in fp32 and
+    saves that upcast, the input itself only when it is fp32 already."""
+    return m.normalization == "LayerNorm" or not (m.bf16 or m.fp16)
+
+
+def _norm_saves(x: Shape, name: str) -> dict[str, int]:
+    """A norm's saves: LayerNorm its input and mean and rstd (activation dtype); RMSNorm the fp32
+    input, its rstd and x * rstd (all fp32, whatever the activation dtype)."""
+    h, t = x.m.hidden_size, x.norm_tokens
+    if x.m.normalization == "LayerNorm":
+        return {f"{name}.input": t * h * x.elt, f"{name}.stats": 2 * t * x.elt}
+    return {f"{name}.input": t * h * 4, f"{name}.stats": t * 4 + t * h * 4}
+
+
+def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
+    """(q/k/v storages entering core attention, what core attention saves, linear_proj's input).
+    Storages are keyed by name so one shared by q, k and v (the QKV output ``mixed``) counts once."""
+    m, t, e = x.m, x.tokens, x.elt
+    tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
+    heads, d = m.num_attention_heads // tp, m.kv_channels
+    groups = (m.num_query_groups or m.num_attention_heads) // tp
+    b = x.batch
+    rope = m.position_embedding_type == "rope"
+    mixed = {"qkv.output": t * (heads + 2 * groups) * d * e}
+    # q is a view of the QKV output unless rotated or regrouped (GQA's reshape copies); k unless rotated.
+    q = {"q": t * heads * d * e} if rope or heads != groups else mixed
+    k = {"k": t * groups * d * e} if rope else mixed
+    inputs = {**q, **k, **mixed}  # v is always a view of the QKV output
+    out = {"core_attention.output": t * heads * d * e}
+    if m.attention_dropout > 0.0:
+        # PyTorch's math path: scaled q and k, softmax, dropout mask and dropped probabilities, v
+        # (GQA's k and v expanded to all heads); its output is copied by the reshape before linear_proj.
+        probs = b * heads * x.local_seq * x.seq * e
+        core = {
+            "q.scaled": t * heads * d * e,
+            "k.scaled": b * heads * x.seq * d * e,
+            "softmax": probs,
+            "dropout.mask": probs,
+            "dropout.output": probs,
+        }
+        core.update(mixed if heads == groups and cp == 1 else {"v.expanded": b * heads * x.seq * d * e})
+        return inputs, core, {"linear_proj.input": t * heads * d * e}
+    # The CPU flash kernel: q, k, v, its output and the log-sum-exp (fp32).
+    core = {**q, "logsumexp": t * heads * 4, **out}
+    if cp > 1:  # gathered keys and values, and the positional mask as an additive float mask
+        core.update({"k.gathered": b * groups * x.seq * d * e, "v.gathered": b * groups * x.seq * d * e})
+        core["cp.mask"] = x.local_seq * x.seq * e
+    else:
+        core.update({**k, **mixed})
+    return inputs, core, out
+
+
+def layer_saves(x: Shape, selective: bool = True) -> dict[str, int]:
+    """Every storage one layer saves in one microbatch's forward; with ``selective`` (and the config's
+    selective recomputation) the checkpointed modules keep only their inputs."""
+    m, t, tn, e, h = x.m, x.tokens, x.norm_tokens, x.elt, x.m.hidden_size
+    tp = m.tensor_model_parallel_size
+    sel = m.recompute_granularity == "selective" and selective
+    saves = _norm_saves(x, "input_layernorm")
+    saves["linear_qkv.input"] = tn * h * e  # the norm's output (the local shard under SP)
+    if m.position_embedding_type == "rope":
+        saves["rope.cos_sin"] = 4 * x.local_seq * _rotary_dim(m) * 4  # cos and sin (fp32), for q and k
+    inputs, core, proj = _attention_parts(x)
+    if sel and "core_attn" in m.recompute_modules:
+        saves.update({**inputs, **proj})
+    else:
+        saves.update({**core, **proj})
+    if m.hidden_dropout > 0.0:
+        saves["attention.dropout.mask"] = tn * h * e
+    saves.update(_norm_saves(x, "pre_mlp_layernorm"))
+    saves["linear_fc1.input"] = tn * h * e
+    if not (sel and "mlp" in m.recompute_modules):
+        ffn = m.ffn_hidden_size // tp
+        saves["linear_fc1.output"] = t * ffn * (2 if m.gated_linear_unit else 1) * e  # the activation's input
+        if m.gated_linear_unit:
+            saves["activation.output"] = t * ffn * e  # act(gate), saved by the product with value
+        saves["linear_fc2.input"] = t * ffn * e
+    if m.hidden_dropout > 0.0:
+        saves["mlp.dropout.mask"] = tn * h * e
+    return saves
+
+
+# What a layer saved after core attention / the MLP: released by the time backward reaches them.
+_AFTER_CORE = (
+    "core_attention.output", "linear_proj.input", "attention.dropout.mask", "pre_mlp_layernorm.input",
+    "pre_mlp_layernorm.stats", "linear_fc1.input", "linear_fc1.output", "activation.output",
+    "linear_fc2.input", "mlp.dropout.mask",
+)  # fmt: skip
+_MLP = ("linear_fc1.output", "activation.output", "linear_fc2.input")
+
+
+def selective_backward_extra(x: Shape) -> int:
+    """Selective recomputation in backward: the most the last layer's recomputed module re-saves,
+    less what that layer already released after it (its later parts' backward ran first)."""
+    m = x.m
+    full, kept = layer_saves(x, selective=False), layer_saves(x)
+    extra = 0
+    if "core_attn" in m.recompute_modules:
+        _, core, _ = _attention_parts(x)
+        transient = sum(v for k, v in core.items() if k not in kept)
+        if "core_attention.output" in core:  # the flash kernel's recompute makes a new output
+            transient += core["core_attention.output"]
+        extra = max(extra, transient - sum(kept.get(k, 0) for k in _AFTER_CORE))
+    if "mlp" in m.recompute_modules:
+        transient = sum(full[k] for k in _MLP if k in full)
+        extra = max(extra, transient - kept.get("mlp.dropout.mask", 0))
+    return extra
+
+
+def embedding_saves(x: Shape) -> int:
+    """The first chunk's embedding: the token ids (with tp > 1 their local copy and the out-of-range
+    mask), the position ids for learned positions."""
+    m, t = x.m, x.tokens
+    saves = t * 8 + (t if m.tensor_model_parallel_size > 1 else 0)
+    return saves + (t * 8 if m.position_embedding_type == "learned_absolute" else 0)
+
+
+def output_saves(x: Shape) -> int:
+    """The last chunk's final norm, the output layer's input, the cross entropy's fp32 softmax over
+    this rank's vocabulary, its target mask (bool) and local targets (int64), and the loss mask (fp32)."""
+    m, t = x.m, x.tokens
+    vocab = m.padded_vocab_size // m.tensor_model_parallel_size
+    norm = sum(_norm_saves(x, "final_layernorm").values())
+    return norm + x.norm_tokens * m.hidden_size * x.elt + t * vocab * 4 + t * (1 + 8) + t * 4
+
+
+@dataclass(frozen=True)
+class ChunkActivations:
+    """A chunk-microbatch's bytes: ``kept`` from the end of its forward to its backward, ``peak`` the
+    most it holds during its backward (above ``kept`` when recomputation re-saves a unit)."""
+
+    layers: int
+    kept: int
+    peak: int
+    embedding: int
+    output: int
+
+
+def _recompute_units(layers: int, m) -> tuple[list[list[int]], int]:
+    """(recomputed units of layer indices, layers after them kept whole) under full recomputation."""
+    n = m.recompute_num_layers or 1
+    if m.recompute_method == "uniform":
+        return [list(range(i, min(i + n, layers))) for i in range(0, layers, n)], 0
+    recomputed = min(n, layers)
+    return [[i] for i in range(recomputed)], layers - recomputed
+
+
+def chunk_activations(x: Shape, layers: int, pre: bool, post: bool) -> ChunkActivations:
+    """Kept and backward-peak bytes of one microbatch through a chunk of ``layers`` layers, with the
+    embedding (``pre``) and the output layer and loss (``post``)."""
+    m = x.m
+    layer = sum(layer_saves(x).values())
+    emb = embedding_saves(x) if pre else 0
+    out = output_saves(x) if post else 0
+    # Under SP the first layer on the first stage saves a view of the whole embedding output (the
+    # scatter's chunk is contiguous, so no copy is made): the full sequence's storage stays alive.
+    sp_first = (x.tokens - x.norm_tokens) * m.hidden_size * x.elt if pre and m.sequence_parallel else 0
+    if m.recompute_granularity != "full" or layers == 0:
+        kept = emb + (sp_first if norm_keeps_input(m) and layers else 0) + layers * layer + out
+        peak = kept
+        if m.recompute_granularity == "selective" and layers:
+            peak = max(kept, kept - out + selective_backward_extra(x))
+        return ChunkActivations(layers, kept, peak, emb, out)
+    units, whole = _recompute_units(layers, m)
+    distribute = m.distribute_saved_activations and not m.sequence_parallel
+    unit_input = x.norm_tokens * m.hidden_size * x.elt
+    if distribute:
+        unit_input //= m.tensor_model_parallel_size
+    inputs = [unit_input for _ in units]
+    if units and sp_first:
+        inputs[0] += sp_first
+    rope = 0
+    if m.position_embedding_type == "rope" and units:  # the angles are a checkpoint argument too
+        rope = x.local_seq * _rotary_dim(m) * 4
+    kept = emb + rope + sum(inputs) + whole * layer + out
+    # Backward: the loss, output layer and the whole layers go first; then each unit, last first,
+    # re-saves its layers while the inputs of it and of the units before it are still held. Its first
+    # norm saves the kept input's own storage unless that was split over TP (then a gathered copy)
+    # or the norm saves an fp32 upcast instead.
+    shared = not distribute and norm_keeps_input(m)
+    peak = kept
+    for u, unit in enumerate(units):
+        held = emb + rope + sum(inputs[: u + 1]) + len(unit) * layer
+        if shared:
+            held -= unit_input  # the recompute's first norm saves the very storage kept as the input
+        peak = max(peak, held)
+    return ChunkActivations(layers, kept, peak, emb, out)
+
+
+def schedule_events(num_microbatches: int, vp: int, pp: int, rank: int, group: int) -> list[tuple[str, int]]:
+    """The schedule's forwards and backwards on ``rank`` in order, as ("F" | "B", model chunk): plain
+    1F1B (``vp`` 1) or interleaved, with the same warmup and steady-state order as the schedules."""
+    total, _, warmup, remaining = get_pp_rank_microbatches(num_microbatches, vp, group, pp, rank)
+    if vp == 1:
+        warmup = min(pp - rank - 1, num_microbatches)
+        remaining = num_microbatches - warmup
+    table = get_schedule_table(num_microbatches, vp, group)
+    events = [("F", table[k][1]) for k in range(warmup)]
+    for k in range(warmup, warmup + remaining):
+        events.append(("F", table[k][1]))
+        events.append(("B", vp - 1 - table[k - warmup][1]))
+    events += [("B", vp - 1 - table[k][1]) for k in range(remaining, total)]
+    return events
+
+
+def schedule_peak(events: list[tuple[str, int]], chunks: list[ChunkActivations]) -> tuple[int, int]:
+    """(peak saved bytes, most microbatch-chunks in flight) over the schedule's events."""
+    held = peak = in_flight = most = 0
+    for kind, c in events:
+        if kind == "F":
+            held += chunks[c].kept
+            in_flight += 1
+            peak, most = max(peak, held), max(most, in_flight)
+        else:
+            peak = max(peak, held - chunks[c].kept + chunks[c].peak)
+            held -= chunks[c].kept
+            in_flight -= 1
+    return peak, most

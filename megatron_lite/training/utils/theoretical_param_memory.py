@@ -1,0 +1,190 @@
+"""Predicted weight, gradient-buffer and optimizer-state bytes of one pipeline rank (a prediction).
+
+Pure functions of the config: :func:`chunk_parameters` lists the parameters a model chunk builds, in
+``module.parameters()`` order with this tensor-parallel rank's sizes; :func:`buffer_layout` lays them
+out as DistributedDataParallel's buffers do (reversed, one bucket per buffer unless
+``overlap_grad_reduce``, each bucket padded to a multiple of dp x cp under the distributed
+optimizer, a tied embedding in its own bucket there); :func:`optimizer_state_bytes` counts AdamW's
+two fp32 moments and its fp32 ``step`` scalar per parameter (per shard range under the distributed
+optimizer, for data-parallel rank 0) plus fp32 master copies of non-fp32 parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.core.transformer.transformer_block import get_num_layers_to_build
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as a rank holds it: name, elements, dims, and whether it is the tied embedding
+    that the first and last stage both hold (its own bucket under the distributed optimizer)."""
+
+    name: str
+    numel: int
+    ndim: int
+    shared_embedding: bool = False
+
+
+def _norm(prefix: str, m) -> list[ParamSpec]:
+    h = m.hidden_size
+    specs = [ParamSpec(f"{prefix}.weight", h, 1)]
+    if m.normalization == "LayerNorm":
+        specs.append(ParamSpec(f"{prefix}.bias", h, 1))
+    return specs
+
+
+def _linear(prefix: str, rows: int, cols: int, bias: bool, bias_numel: int) -> list[ParamSpec]:
+    specs = [ParamSpec(f"{prefix}.weight", rows * cols, 2)]
+    return specs + ([ParamSpec(f"{prefix}.bias", bias_numel, 1)] if bias else [])
+
+
+def _layer(prefix: str, m) -> list[ParamSpec]:
+    """One transformer layer: column-parallel outputs and row-parallel inputs split over tp; norms and
+    row-parallel biases whole."""
+    tp, h = m.tensor_model_parallel_size, m.hidden_size
+    groups = m.num_query_groups or m.num_attention_heads
+    query = m.kv_channels * m.num_attention_heads
+    qkv = (query + 2 * m.kv_channels * groups) // tp
+    fc1 = m.ffn_hidden_size * (2 if m.gated_linear_unit else 1) // tp
+    bias, qkv_bias = m.add_bias_linear, m.add_bias_linear or m.add_qkv_bias
+    return [
+        *_norm(f"{prefix}.input_layernorm", m),
+        *_linear(f"{prefix}.self_attention.linear_qkv", qkv, h, qkv_bias, qkv),
+        *_linear(f"{prefix}.self_attention.linear_proj", h, query // tp, bias, h),
+        *_norm(f"{prefix}.pre_mlp_layernorm", m),
+        *_linear(f"{prefix}.mlp.linear_fc1", fc1, h, bias, fc1),
+        *_linear(f"{prefix}.mlp.linear_fc2", h, m.ffn_hidden_size // tp, bias, h),
+    ]
+
+
+def chunk_bounds(m, pp_rank: int, vp_stage: int) -> tuple[bool, bool]:
+    """(holds the embedding, holds the final norm and output layer) for chunk ``vp_stage`` of
+    ``pp_rank``: chunk 0 of the first rank, the last chunk of the last rank."""
+    vp = m.virtual_pipeline_model_parallel_size or 1
+    pp = m.pipeline_model_parallel_size
+    return vp_stage == 0 and pp_rank == 0, vp_stage == vp - 1 and pp_rank == pp - 1
+
+
+def chunk_parameters(m, pp_rank: int, vp_stage: int) -> list[ParamSpec]:
+    """The parameters chunk ``vp_stage`` of pipeline rank ``pp_rank`` builds (``m`` a
+    GPTModelProvider), in the model's registration order, with tensor-parallel rank 0's sizes."""
+    tp, h = m.tensor_model_parallel_size, m.hidden_size
+    vocab = m.padded_vocab_size // tp
+    pre, post = chunk_bounds(m, pp_rank, vp_stage)
+    tied = m.share_embeddings_and_output_weights
+    specs: list[ParamSpec] = []
+    if pre:
+        specs.append(ParamSpec("embedding.word_embeddings.weight", vocab * h, 2, tied and not post))
+        if m.position_embedding_type == "learned_absolute":
+            rows = m.max_position_embeddings or m.seq_length
+            specs.append(ParamSpec("embedding.position_embeddings.weight", rows * h, 2))
+    num_layers, offset = get_num_layers_to_build(m, pp_rank, vp_stage)
+    for i in range(offset, offset + num_layers):
+        specs += _layer(f"decoder.layers.{i}", m)
+    if post:
+        specs += _norm("decoder.final_layernorm", m)
+        if not (tied and pre):  # tied on one stage: the output layer reuses the embedding's weight
+            specs.append(ParamSpec("output_layer.weight", vocab * h, 2, tied))
+    return specs
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A bucket of a gradient buffer: its parameters (buffer order), start, used and padded size."""
+
+    params: tuple[ParamSpec, ...]
+    start: int
+    numel: int
+    padded: int
+
+
+def _bucket_size(config) -> int | None:
+    ddp = config.ddp
+    if not ddp.overlap_grad_reduce:
+        return None  # one bucket per buffer, as DistributedDataParallel does without overlap
+    return ddp.bucket_size or max(40_000_000, 1_000_000 * _dp_cp(config))
+
+
+def _dp_cp(config) -> int:
+    return config.data_parallel_size * config.model.context_parallel_size
+
+
+def buffer_layout(specs: list[ParamSpec], config) -> list[Bucket]:
+    """The buckets of the one gradient buffer a chunk's parameters (all of one dtype) fill."""
+    distributed = config.optimizer.use_distributed_optimizer
+    dp, bucket_size = _dp_cp(config), _bucket_size(config)
+    buckets: list[Bucket] = []
+    current: list[ParamSpec] = []
+    start = offset = 0
+    for p in reversed(specs):
+        own = distributed and p.shared_embedding
+        if own and current:
+            buckets.append(_close(current, start, offset, dp, distributed))
+            current, start = [], buckets[-1].start + buckets[-1].padded
+            offset = start
+        current.append(p)
+        offset += p.numel
+        if own or (bucket_size is not None and offset - start >= bucket_size):
+            buckets.append(_close(current, start, offset, dp, distributed))
+            current, start = [], buckets[-1].start + buckets[-1].padded
+            offset = start
+    if current:
+        buckets.append(_close(current, start, offset, dp, distributed))
+    return buckets
+
+
+def _close(params, start, offset, dp, distributed) -> Bucket:
+    numel = offset - start
+    padded = -(-numel // dp) * dp if distributed else numel
+    return Bucket(tuple(params), start, numel, padded)
+
+
+def shard_ranges(buckets: list[Bucket], dp: int, dp_rank: int = 0) -> list[int]:
+    """Element counts of the parameter pieces in ``dp_rank``'s shard of every bucket (the distributed
+    optimizer's ranges: one AdamW parameter each)."""
+    ranges = []
+    for bucket in buckets:
+        size = bucket.padded // dp
+        lo = bucket.start + dp_rank * size
+        hi, begin = lo + size, bucket.start
+        for p in bucket.params:
+            a, b = max(begin, lo), min(begin + p.numel, hi)
+            if a < b:
+                ranges.append(b - a)
+            begin += p.numel
+    return ranges
+
+
+def _dtype_bytes(m) -> int:
+    return 2 if (m.bf16 or m.fp16) else 4
+
+
+def param_memory(config, pp_rank: int, dp_rank: int = 0) -> dict[str, int]:
+    """``weights_bytes``, ``grads_bytes`` (fp32 DDP buffers, padding included) and
+    ``optimizer_state_bytes`` of one tensor-parallel rank of stage ``pp_rank`` (and, for the
+    distributed optimizer's shard, rank ``dp_rank`` of dp x cp), summed over its chunks, plus
+    ``parameters`` (their element count)."""
+    m = config.model
+    vp = m.virtual_pipeline_model_parallel_size or 1
+    low_precision = _dtype_bytes(m) != 4
+    weights = grads = optimizer = params = 0
+    for vp_stage in range(vp):
+        specs = chunk_parameters(m, pp_rank, vp_stage)
+        buckets = buffer_layout(specs, config)
+        params += sum(p.numel for p in specs)
+        weights += sum(p.numel for p in specs) * _dtype_bytes(m)
+        grads += sum(b.padded for b in buckets) * 4
+        if config.optimizer.use_distributed_optimizer:
+            pieces = shard_ranges(buckets, _dp_cp(config), dp_rank)
+        else:
+            pieces = [p.numel for p in specs]
+        # exp_avg and exp_avg_sq in fp32, a 4-byte ``step`` tensor, and an fp32 master if needed.
+        optimizer += sum(8 * n + 4 + (4 * n if low_precision else 0) for n in pieces)
+    return {
+        "parameters": params,
+        "weights_bytes": weights,
+        "grads_bytes": grads,
+        "optimizer_state_bytes": optimizer,
+    }
