@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 
+import pytest
 from dist_helpers import REPO, run_pretrain
 
 from megatron_lite.training.utils import memory_history
@@ -73,6 +74,9 @@ def test_an_out_of_memory_rank_names_its_stage_and_leaves_a_post_mortem(tmp_path
     for name in ("weights", "grads", "optimizer-state", "activation", "other", "rss"):
         assert memory[f"mem-{name}-gigabytes"] >= 0, name
     assert memory["mem-activation-gigabytes"] > 0  # it died mid-step, with microbatches in flight
+    prediction = record["prediction_bytes"]  # its stage's, labelled, beside the measurement
+    assert prediction["label"] == "prediction" and prediction["pp_rank"] == 1
+    assert prediction["weights_bytes"] == pytest.approx(memory["mem-weights-gigabytes"] * 1e9, rel=1e-3)
     assert not [p for p in os.listdir(tmp_path / "tb") if ".tmp" in p]  # written atomically
     assert list((tmp_path / "tb").glob("oom-rank*.json")) == [path]  # only the rank that ran out
 

@@ -90,16 +90,16 @@ def out_of_memory_postmortem(config: ConfigContainer, state: GlobalState):
         if not is_out_of_memory(err):
             raise
         rank = dist.get_rank() if dist.is_initialized() else 0
-        stage = (
-            parallel_state.get_pipeline_model_parallel_rank()
+        stage, dp_rank = (
+            (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank(True))
             if parallel_state.model_parallel_is_initialized()
-            else 0
+            else (0, 0)
         )
         iteration = state.train_state.step + 1  # the one that was running
         p = config.profiling
         if p is not None and p.record_memory_history:
             dump_memory_snapshot(oom_snapshot_path(p.memory_snapshot_path, rank))
-        path = write_postmortem(config, rank, stage, iteration, err)
+        path = write_postmortem(config, rank, stage, dp_rank, iteration, err)
         raise OutOfMemoryPostMortem(rank, stage, iteration, path, short_error(err)) from err
 
 

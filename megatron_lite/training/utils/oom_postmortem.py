@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict
 
 import torch
 
 from megatron_lite.training.utils.memory_utils import report_memory
+from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage
 
 
 class OutOfMemoryPostMortem(RuntimeError):
@@ -46,18 +48,10 @@ def log_directory(config) -> str:
     return config.logger.tensorboard_dir or config.checkpoint.save or os.getcwd()
 
 
-def _prediction(config, stage: int) -> dict | None:
-    try:
-        from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage
-    except ImportError:
-        return None
-    from dataclasses import asdict
-
-    return {"label": "prediction", **asdict(predict_memory_per_stage(config)[stage])}
-
-
-def write_postmortem(config, rank: int, stage: int, iteration: int, err: BaseException) -> str:
-    """Write this rank's record atomically; returns its path."""
+def write_postmortem(config, rank: int, stage: int, dp_rank: int, iteration: int, err: BaseException) -> str:
+    """Write this rank's record atomically; returns its path. ``dp_rank``: its data x context parallel
+    rank (the distributed optimizer's shard, hence the prediction, depends on it)."""
+    prediction = asdict(predict_memory_per_stage(config, dp_rank=dp_rank)[stage])
     record = {
         "rank": rank,
         "pipeline_stage": stage,
@@ -65,7 +59,7 @@ def write_postmortem(config, rank: int, stage: int, iteration: int, err: BaseExc
         "error": short_error(err),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "memory_gigabytes": report_memory(config.logger.memory_keys),
-        "prediction_bytes": _prediction(config, stage),
+        "prediction_bytes": {"label": "prediction", **prediction},
     }
     directory = log_directory(config)
     os.makedirs(directory, exist_ok=True)
