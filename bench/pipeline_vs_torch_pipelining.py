@@ -2,19 +2,29 @@
 """megatron_lite's pipeline schedules against torch.distributed.pipelining's, same model, same processes.
 
     python bench/pipeline_vs_torch_pipelining.py [--rounds 6] [--schedule {1f1b,interleaved,both}]
+        [--scaling-rounds 3] [--skip-scaling] [--skip-speed]
         [--hidden-size 256] [--seq-length 128] [--vocab-size 8192]
 
 GPT: 8 layers, hidden 256, 8 heads, seq 128, micro-batch 2, global batch 16 (8 microbatches), vocab
-8192 (smaller sizes make a smoke run), fp32, pp = 4 on CPU with gloo. ``1f1b``: our 1F1B against ``Schedule1F1B``, one stage of two
-layers per rank. ``interleaved``: our interleaved 1F1B against ``ScheduleInterleaved1F1B`` with vp = 2,
-each rank holding two chunks of one layer (Megatron's assignment: chunk c of rank r holds layer
-c * pp + r, torch's stage index c * pp + r). Both sides of a comparison run identically built stage
-modules (untied embeddings, so neither pays for an embedding all-reduce) on the same data, are checked
-to give the same first-iteration loss, and are alternated round by round. Prints the median ms per
-global-batch forward-backward for each, their ratio, and each stage's peak bytes of activations saved
-for backward (measured by megatron_lite's ActivationMemoryTracker around each schedule); for the
-interleaved schedule also the in-flight microbatch-chunk counts our schedule predicts per rank and the
-stage-0 peak over plain 1F1B's beside Megatron's interleaving factor 1 + (pp - 1) / (pp * vp).
+8192 (smaller sizes make a smoke run), fp32, pp = 4 on CPU with gloo. ``1f1b``: our 1F1B against
+``Schedule1F1B``, one stage of two layers per rank. ``interleaved``: our interleaved 1F1B against
+``ScheduleInterleaved1F1B`` with vp = 2, each rank holding two chunks of one layer (Megatron's
+assignment: chunk c of rank r holds layer c * pp + r, torch's stage index c * pp + r). Both sides of a
+comparison run identically built stage modules (untied embeddings, so neither pays for an embedding
+all-reduce) on the same data, are checked to give the same first-iteration loss, and are alternated
+round by round. Prints the median ms per global-batch forward-backward for each, their ratio, and each
+stage's peak bytes of activations saved for backward (measured by megatron_lite's
+ActivationMemoryTracker around each schedule); for the interleaved schedule also the in-flight
+microbatch-chunk counts our schedule predicts per rank and the stage-0 peak over plain 1F1B's beside
+Megatron's interleaving factor 1 + (pp - 1) / (pp * vp).
+
+Then (unless ``--skip-speed``, see bench/pipeline_speed.py) whole training steps, forward-backward +
+grad-norm clip + AdamW, alternated round by round in the same world: ours at pp 4, the peer's
+Schedule1F1B at pp 4 with torch's AdamW, our single process on all cores (no pipeline, the 8
+microbatches as gradient accumulation) and on one thread (halved: the two-core ideal), with the
+ratios; ours with ``--bf16`` against fp32 and which CPU matmul kernel bf16 runs; and (unless
+``--skip-scaling``) ms/iteration for pp in {1, 2, 4} x microbatches in {4, 8, 16, 32} beside the ideal
+1F1B bubble (pp - 1) / (m + pp - 1). The default run takes a few minutes on two cores.
 """
 
 from __future__ import annotations
