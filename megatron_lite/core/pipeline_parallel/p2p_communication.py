@@ -64,9 +64,10 @@ class P2PCommunicator:
 
     def wait_for_sends(self) -> None:
         """Wait until every send this communicator posted has completed (the peers received them)."""
-        for request, _ in self._pending_sends:
+        pending = getattr(self, "_pending_sends", [])  # none in a subclass that skips __init__
+        for request, _ in pending:
             request.wait()
-        self._pending_sends.clear()
+        pending.clear()
 
     @property
     def is_pp_first_stage(self) -> bool:
