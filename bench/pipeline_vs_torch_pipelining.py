@@ -2,19 +2,29 @@
 """megatron_lite's pipeline schedules against torch.distributed.pipelining's, same model, same processes.
 
     python bench/pipeline_vs_torch_pipelining.py [--rounds 6] [--schedule {1f1b,interleaved,both}]
+        [--scaling-rounds 3] [--skip-scaling] [--skip-speed]
         [--hidden-size 256] [--seq-length 128] [--vocab-size 8192]
 
 GPT: 8 layers, hidden 256, 8 heads, seq 128, micro-batch 2, global batch 16 (8 microbatches), vocab
-8192 (smaller sizes make a smoke run), fp32, pp = 4 on CPU with gloo. ``1f1b``: our 1F1B against ``Schedule1F1B``, one stage of two
-layers per rank. ``interleaved``: our interleaved 1F1B against ``ScheduleInterleaved1F1B`` with vp = 2,
-each rank holding two chunks of one layer (Megatron's assignment: chunk c of rank r holds layer
-c * pp + r, torch's stage index c * pp + r). Both sides of a comparison run identically built stage
-modules (untied embeddings, so neither pays for an embedding all-reduce) on the same data, are checked
-to give the same first-iteration loss, and are alternated round by round. Prints the median ms per
-global-batch forward-backward for each, their ratio, and each stage's peak bytes of activations saved
-for backward (measured by megatron_lite's ActivationMemoryTracker around each schedule); for the
-interleaved schedule also the in-flight microbatch-chunk counts our schedule predicts per rank and the
-stage-0 peak over plain 1F1B's beside Megatron's interleaving factor 1 + (pp - 1) / (pp * vp).
+8192 (smaller sizes make a smoke run), fp32, pp = 4 on CPU with gloo. ``1f1b``: our 1F1B against
+``Schedule1F1B``, one stage of two layers per rank. ``interleaved``: our interleaved 1F1B against
+``ScheduleInterleaved1F1B`` with vp = 2, each rank holding two chunks of one layer (Megatron's
+assignment: chunk c of rank r holds layer c * pp + r, torch's stage index c * pp + r). Both sides of a
+comparison run identically built stage modules (untied embeddings, so neither pays for an embedding
+all-reduce) on the same data, are checked to give the same first-iteration loss, and are alternated
+round by round. Prints the median ms per global-batch forward-backward for each, their ratio, and each
+stage's peak bytes of activations saved for backward (measured by megatron_lite's
+ActivationMemoryTracker around each schedule); for the interleaved schedule also the in-flight
+microbatch-chunk counts our schedule predicts per rank and the stage-0 peak over plain 1F1B's beside
+Megatron's interleaving factor 1 + (pp - 1) / (pp * vp).
+
+Then (unless ``--skip-speed``, see bench/pipeline_speed.py) whole training steps, forward-backward +
+grad-norm clip + AdamW, alternated round by round in the same world: ours at pp 4, the peer's
+Schedule1F1B at pp 4 with torch's AdamW, our single process on all cores (no pipeline, the 8
+microbatches as gradient accumulation) and on one thread (halved: the two-core ideal), with the
+ratios; ours with ``--bf16`` against fp32 and which CPU matmul kernel bf16 runs; and (unless
+``--skip-scaling``) ms/iteration for pp in {1, 2, 4} x microbatches in {4, 8, 16, 32} beside the ideal
+1F1B bubble (pp - 1) / (m + pp - 1). The default run takes a few minutes on two cores.
 """
 
 from __future__ import annotations
@@ -30,17 +40,17 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import pipeline_speed  # noqa: E402  (bench/, beside this script)
+from pipeline_training_steps import TorchPipelineStage, mock_batches, peer_loss  # noqa: E402
+
 from megatron_lite.core import parallel_state as ps  # noqa: E402
-from megatron_lite.core.datasets.gpt_dataset import MockGPTDataset  # noqa: E402
 from megatron_lite.core.distributed import DistributedDataParallel, finalize_model_grads  # noqa: E402
 from megatron_lite.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron_lite.core.pipeline_parallel.interleaved import in_flight_microbatch_chunks  # noqa: E402
 from megatron_lite.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-from megatron_lite.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: E402
 from megatron_lite.models.gpt_provider import GPTModelProvider  # noqa: E402
 from megatron_lite.training.config import ConfigContainer  # noqa: E402
 from megatron_lite.training.gpt_step import forward_step  # noqa: E402
@@ -54,42 +64,18 @@ OURS, PEER = "megatron_lite", "torch.pipelining"
 LOSS_RTOL = 1e-5
 
 
-class TorchPipelineStage(nn.Module):
-    """A GPTModel stage with the plain tensor-in / tensor-out forward torch.distributed.pipelining wants."""
-
-    def __init__(self, gpt):
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, x):
-        g = self.gpt
-        hidden = g.embedding(x, torch.arange(x.shape[1]).expand_as(x)) if g.pre_process else x
-        hidden = g.decoder(hidden)
-        return g.output_layer(hidden)[0] if g.post_process else hidden
-
-
-def _loss(logits, labels):
-    return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous()).mean()
-
-
-def _provider(vp: int, size: dict):
-    """The benchmarked GPT, ``size`` giving hidden_size, seq_length and vocab_size."""
+def _provider(vp: int, size: dict, pp: int = PP, bf16: bool = False):
+    """The benchmarked GPT over ``pp`` stages, ``size`` giving hidden_size, seq_length and vocab_size."""
     return GPTModelProvider(
         num_layers=LAYERS,
         num_attention_heads=HEADS,
         max_position_embeddings=size["seq_length"],
         **size,
-        pipeline_model_parallel_size=PP,
+        pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         share_embeddings_and_output_weights=False,
+        bf16=bf16,
     )
-
-
-def _batches(n, cfg):
-    data = MockGPTDataset(
-        vocab_size=cfg.vocab_size, sequence_length=cfg.seq_length, seed=1, num_samples=n * MBS
-    )
-    return [{k: torch.stack([data[i * MBS + j][k] for j in range(MBS)]) for k in data[0]} for i in range(n)]
 
 
 def _runners(vp: int, rank: int, pgc: ProcessGroupCollection, size: dict):
@@ -100,7 +86,7 @@ def _runners(vp: int, rank: int, pgc: ProcessGroupCollection, size: dict):
 
     chunks = range(vp) if vp > 1 else [None]  # vp_stage None: the plain one-stage-per-rank model
     cfg = _provider(vp, size)
-    batches = _batches(MICROBATCHES, cfg)
+    batches = mock_batches(MICROBATCHES, cfg, MBS)
     cfg.finalize_model_grads_func = finalize_model_grads
     ours = [DistributedDataParallel(cfg, cfg.provide(vp_stage=c), dp_group=pgc.dp) for c in chunks]
     schedule = get_forward_backward_func(PP, vp)
@@ -110,9 +96,9 @@ def _runners(vp: int, rank: int, pgc: ProcessGroupCollection, size: dict):
         PipelineStage(m, c * PP + rank, PP * vp, device, group=pgc.pp) for c, m in enumerate(peer_modules)
     ]
     if vp > 1:
-        peer = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=_loss)
+        peer = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=peer_loss)
     else:
-        peer = Schedule1F1B(stages[0], MICROBATCHES, loss_fn=_loss)
+        peer = Schedule1F1B(stages[0], MICROBATCHES, loss_fn=peer_loss)
     first, last = rank == 0, rank == PP - 1
 
     def run_ours(tracker):
@@ -169,13 +155,18 @@ def _compare(vp: int, rank: int, pgc, size: dict, rounds: int) -> dict:
     return result
 
 
-def worker(rank, port, rounds, schedules, size, queue):
+def worker(rank, port, args, schedules, size, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // PP))
     dist.init_process_group("gloo", rank=rank, world_size=PP)
     ps.initialize_model_parallel(pipeline_model_parallel_size=PP)
     pgc = ProcessGroupCollection.use_mpu_process_groups()
-    results = {s: _compare(VIRTUAL_STAGES[s], rank, pgc, size, rounds) for s in schedules}
+    results = {s: _compare(VIRTUAL_STAGES[s], rank, pgc, size, args.rounds) for s in schedules}
+    if not args.skip_speed:
+        make = partial(_provider, 1, size)  # make(pp, bf16=...): one stage per rank
+        results["speed"] = pipeline_speed.measure(
+            make, MBS, args.rounds, args.scaling_rounds, args.skip_scaling
+        )
     queue.put((rank, results))
     dist.barrier()
     dist.destroy_process_group()
@@ -261,8 +252,14 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--scaling-rounds", type=int, default=3, help="timed rounds of the scaling grid")
+    parser.add_argument("--skip-scaling", action="store_true", help="no pp x microbatches scaling table")
+    parser.add_argument("--skip-speed", action="store_true", help="only the schedule comparisons")
     args = parser.parse_args()
-    if min(args.rounds, args.hidden_size, args.seq_length, args.vocab_size) < 1 or args.hidden_size % HEADS:
+    if (
+        min(args.rounds, args.scaling_rounds, args.hidden_size, args.seq_length, args.vocab_size) < 1
+        or args.hidden_size % HEADS
+    ):
         parser.error(f"sizes and --rounds must be positive, --hidden-size a multiple of {HEADS}")
     size = {"hidden_size": args.hidden_size, "seq_length": args.seq_length, "vocab_size": args.vocab_size}
     schedules = list(VIRTUAL_STAGES) if args.schedule == "both" else [args.schedule]
@@ -275,7 +272,7 @@ def main() -> None:
     queue = ctx.Queue()
     # Daemons: when one worker fails, the others (stuck in a collective) end with the bench.
     procs = [
-        ctx.Process(target=worker, args=(r, port, args.rounds, schedules, size, queue), daemon=True)
+        ctx.Process(target=worker, args=(r, port, args, schedules, size, queue), daemon=True)
         for r in range(PP)
     ]
     for p in procs:
@@ -292,6 +289,8 @@ def main() -> None:
         _report(schedule, results)
     if len(schedules) == 2:
         _report_interleaving_factor(results)
+    if not args.skip_speed:
+        pipeline_speed.report([(rank, r["speed"]) for rank, r in results], LOSS_RTOL)
 
 
 if __name__ == "__main__":

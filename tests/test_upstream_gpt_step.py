@@ -116,6 +116,22 @@ def test_forward_step_slices_the_batch_to_this_cp_rank():
     assert model.kwargs["position_ids"].tolist() == [[2, 3, 4, 5]]
 
 
+def _pp(stage, stages):
+    return SimpleNamespace(rank=lambda: stage, size=lambda: stages)
+
+
+def test_get_batch_reads_nothing_on_a_middle_pipeline_stage():
+    data = iter([_batch(), _batch()])
+    for stage in (1, 2):  # of four: neither embeds nor computes the loss
+        groups = ProcessGroupCollection(pp=_pp(stage, 4))
+        assert gpt_step.get_batch(data, pg_collection=groups) == (None,) * 6
+    assert len(list(data)) == 2  # no batch was consumed
+    for stage in (0, 3):
+        data = iter([_batch()])
+        tokens, labels, *_ = gpt_step.get_batch(data, pg_collection=ProcessGroupCollection(pp=_pp(stage, 4)))
+        assert torch.equal(tokens, _batch()["tokens"]) and torch.equal(labels, _batch()["labels"])
+
+
 def test_forward_step_refuses_a_schedule_plan():
     with pytest.raises(NotImplementedError, match="schedule_plan"):
         gpt_step.forward_step(_state(), iter([_batch()]), _FakeGPT(), return_schedule_plan=True)

@@ -12,6 +12,7 @@ from functools import partial
 
 import torch
 
+from megatron_lite.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.utils import get_batch_on_this_cp_rank, unwrap_model
 from megatron_lite.training.state import GlobalState
@@ -44,12 +45,16 @@ def get_batch(data_iterator: Iterable, cfg=None, use_mtp: bool = False, *, pg_co
     """Next microbatch as ``(tokens, labels, loss_mask, attention_mask, position_ids, None)`` (the
     last item is upstream's packed-sequence metadata, which we do not have), sliced to this CP rank.
 
-    Every stage reads the batch (mock samples are computed, real ones read from memory-mapped files:
-    cheap either way, and the same on every rank), which keeps all stages' data position equal; only
-    the first stage uses the tokens, only the last the labels and loss mask.
+    As upstream, a middle pipeline stage (neither the first nor the last rank of ``pg_collection.pp``)
+    reads nothing and gets Nones: it runs on the received activations, and reading a batch it never
+    uses would only take CPU from the stages that compute. The first stage uses the tokens, the last
+    the labels and loss mask.
     """
     if use_mtp:
         raise NotImplementedError("multi-token prediction is not supported")
+    pp = pg_collection.pp
+    if pp is not None and not (is_pp_first_stage(pp) or is_pp_last_stage(pp)):
+        return None, None, None, None, None, None
     # Only the model's inputs: a blend's samples also carry their dataset_id.
     batch = {k: v for k, v in next(data_iterator).items() if k in _BATCH_KEYS}
     if pg_collection.cp is not None:
@@ -72,7 +77,8 @@ def forward_step(state: GlobalState, data_iterator: Iterable, model, return_sche
     )
     timer.stop()
     tokens, labels, loss_mask, position_ids = (
-        t.to(device, non_blocking=True) for t in (tokens, labels, loss_mask, position_ids)
+        None if t is None else t.to(device, non_blocking=True)
+        for t in (tokens, labels, loss_mask, position_ids)
     )
     output = model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, labels=labels)
     return output, partial(loss_func, loss_mask)

@@ -20,7 +20,10 @@ def get_grad_norm_fp32(
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:
-        total += g.detach().double().pow(2).sum()
+        # Squared in place on a fresh fp64 copy (copy=True: never the caller's tensor): the same values
+        # as .pow(2) without a second large temporary, which on CPU is page-faulted in afresh (this
+        # loop ran ~4x slower).
+        total += g.detach().to(torch.float64, copy=True).square_().sum()
     for group in (data_parallel_group, model_parallel_group):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)

@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from megatron_lite.core.pipeline_parallel.one_f_one_b import _groups
+from megatron_lite.core.pipeline_parallel.p2p_communication import wait_for_sends
 from megatron_lite.core.utils import get_collective_device, get_model_config
 
 
@@ -243,6 +244,7 @@ def forward_backward_pipelining_with_interleaving(
                 if recv_next:
                     output_tensor_grads[next_chunk].append(output_grad)
         no_sync.close()
+        wait_for_sends(p2p)  # nothing in flight past the schedule
         finalize = getattr(config, "finalize_model_grads_func", None)
         if finalize is not None and not forward_only:
             per_token = getattr(config, "calculate_per_token_loss", False)

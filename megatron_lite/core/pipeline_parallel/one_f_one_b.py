@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from megatron_lite.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron_lite.core.pipeline_parallel.p2p_communication import P2PCommunicator, wait_for_sends
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.utils import get_collective_device, get_model_config
 
@@ -178,5 +178,6 @@ def forward_backward_pipelining_without_interleaving(
                 if grad_sync_func is not None:
                     grad_sync_func(model.parameters())
         enable_grad_sync()  # forward-only: leave no no_sync context open
+        wait_for_sends(p2p)  # nothing in flight past the schedule
         s._finalize(model, config, forward_only, total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store

@@ -4,8 +4,12 @@
 (``is_first_stage`` / ``is_last_stage``) the schedule passes, as upstream does; where the stage has no
 neighbour in that direction the call does nothing and returns None, so schedules never branch on
 the stage. A call accepts one tensor/shape or a list of them (one exchange each). Sends and receives
-of one call are posted together with ``batch_isend_irecv`` and waited on before returning, so a sent
-tensor may be freed as soon as the call returns.
+of one call are posted together (``batch_isend_irecv`` on NCCL) and its receives are waited on before
+it returns. On gloo (CPU) a send completes only once the peer has posted the matching receive, so
+waiting for it would stall this stage's next compute behind the neighbour's; there the communicator
+keeps each send (and a reference to its tensor, so freeing the caller's output is safe) and waits for
+it at the start of its next exchange or in ``wait_for_sends``, which a schedule calls before it
+returns. Values and message order are unchanged: only where this rank waits moves.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ def _as_list(x) -> tuple[list, bool]:
     return (x, False) if isinstance(x, list) else ([x], True)
 
 
+def wait_for_sends(p2p_communicator) -> None:
+    """Complete a communicator's sends still in flight (ours defers gloo's; a communicator without
+    ``wait_for_sends`` waited for them in each exchange)."""
+    wait = getattr(p2p_communicator, "wait_for_sends", None)
+    if wait is not None:
+        wait()
+
+
 class P2PCommunicator:
     """Sends and receives activations (forward) and their gradients (backward) over ``pp_group``."""
 
@@ -47,6 +59,15 @@ class P2PCommunicator:
             if dist.get_backend(pp_group) == "nccl"
             else torch.device("cpu")
         )
+        # gloo sends still in flight, each with the tensor it sends (kept alive until complete).
+        self._pending_sends: list[tuple[object, torch.Tensor]] = []
+
+    def wait_for_sends(self) -> None:
+        """Wait until every send this communicator posted has completed (the peers received them)."""
+        pending = getattr(self, "_pending_sends", [])  # none in a subclass that skips __init__
+        for request, _ in pending:
+            request.wait()
+        pending.clear()
 
     @property
     def is_pp_first_stage(self) -> bool:
@@ -102,8 +123,19 @@ class P2PCommunicator:
             ops.append(dist.P2POp(dist.isend, tensor_send_prev.contiguous(), self.prev_rank, self.pp_group))
         if from_next is not None:
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.pp_group))
-        if ops:
+        if ops and self.device.type != "cpu":
             for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        elif ops:
+            self.wait_for_sends()  # the previous exchange's sends had this rank's compute to finish
+            receives = []
+            for op in ops:  # posted one by one, in the same order: gloo has no batched p2p
+                request = op.op(op.tensor, op.peer, op.group)
+                if op.op is dist.isend:
+                    self._pending_sends.append((request, op.tensor))
+                else:
+                    receives.append(request)
+            for request in receives:
                 request.wait()
         return from_prev, from_next
 

@@ -52,7 +52,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         softmax, target_mask, masked_target = ctx.saved_tensors
-        grad = softmax.clone()
+        # In place, as upstream: the saved softmax is this function's own buffer and nothing reads it
+        # after this backward; a copy would cost a logits-sized allocation per microbatch.
+        grad = softmax
         grad_2d = grad.view(-1, grad.size(-1))
         rows = torch.arange(grad_2d.size(0), device=grad_2d.device)
         grad_2d[rows, masked_target.view(-1)] -= 1.0 - target_mask.view(-1).float()

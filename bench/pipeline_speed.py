@@ -1,0 +1,154 @@
+"""bench/pipeline_vs_torch_pipelining.py's speed sections: whole training steps, alternated.
+
+``measure`` (on every worker) times, round by round in one world: ours at pp 4, the peer's
+Schedule1F1B at pp 4, our single process (pp 1, all cores) and the same process on one thread (half
+of it is the two-core ideal), ours with bf16; then the scaling grid (pp x microbatches). ``report``
+prints them (rank 0's clock: it starts every pipeline and is the last to finish its backward).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from pipeline_training_steps import Groups, cpu_matmul_kernels, mock_batches, ours, peer, threads_for
+
+PIPELINE = 4
+SCALING_PP = (1, 2, 4)
+SCALING_MICROBATCHES = (4, 8, 16, 32)
+HEADLINE_MICROBATCHES = 8
+OURS, PEER, SINGLE, ONE_THREAD, BF16 = (
+    "megatron_lite pp 4",
+    "Schedule1F1B pp 4",
+    "megatron_lite 1 process",
+    "1 process, 1 thread",
+    "megatron_lite pp 4 --bf16",
+)
+
+
+def _timed(pp: int, threads: int, run) -> tuple[float | None, object]:
+    """One contender's iteration between world barriers; ``run`` is None on ranks outside its
+    pipeline (they wait in the barrier). Collective over the world."""
+    dist.barrier()
+    elapsed, out = None, None
+    if run is not None:
+        torch.set_num_threads(threads)
+        start = time.perf_counter()
+        out = run()
+        elapsed = time.perf_counter() - start
+    dist.barrier()
+    return elapsed, out
+
+
+def _alternate(contenders: dict, rounds: int) -> tuple[dict, dict]:
+    """Warm-up (its loss kept), then ``rounds`` rounds running each contender once in turn."""
+    losses = {name: _timed(*spec)[1] for name, spec in contenders.items()}
+    times: dict = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, spec in contenders.items():
+            times[name].append(_timed(*spec)[0])
+    return times, losses
+
+
+def measure(make_provider, mbs: int, rounds: int, scaling_rounds: int, skip_scaling: bool) -> dict:
+    """This rank's times and first-iteration losses. Collective over the world (ranks 0..3)."""
+    rank = dist.get_rank()
+    groups = Groups(dist.get_world_size(), SCALING_PP)
+    batches = mock_batches(max(SCALING_MICROBATCHES), make_provider(1), mbs)
+    m = HEADLINE_MICROBATCHES
+
+    def member(pp: int, build):
+        return build() if rank < pp else None
+
+    single = member(1, lambda: ours(make_provider, groups, 1, [m], batches, mbs)[m])
+    headline = {
+        OURS: (PIPELINE, 1, ours(make_provider, groups, PIPELINE, [m], batches, mbs)[m]),
+        PEER: (PIPELINE, 1, peer(make_provider, groups, PIPELINE, batches, m)),
+        SINGLE: (1, threads_for(1), single),
+        ONE_THREAD: (1, 1, single),
+        BF16: (PIPELINE, 1, ours(lambda pp: make_provider(pp, bf16=True), groups, PIPELINE, [m], batches, mbs)[m]),
+    }  # fmt: skip
+    times, losses = _alternate(headline, rounds)
+    result = {"times": times, "loss": losses, "scaling": {}}
+    if not skip_scaling:
+        grid = {}
+        for pp in SCALING_PP:
+            runs = member(
+                pp, lambda pp=pp: ours(make_provider, groups, pp, SCALING_MICROBATCHES, batches, mbs)
+            )
+            for mb in SCALING_MICROBATCHES:
+                grid[(pp, mb)] = (pp, threads_for(pp), runs[mb] if runs else None)
+        result["scaling"] = _alternate(grid, scaling_rounds)[0]
+    return result
+
+
+def _median_ms(values) -> float:
+    return statistics.median(values) * 1000
+
+
+def _check_losses(loss: dict, rtol: float) -> None:
+    """Ours, the peer and the single process start from equal weights and data: equal work only if
+    their first-iteration losses agree."""
+    reference = loss[OURS]
+    for name in (PEER, SINGLE):
+        if not abs(loss[name] - reference) <= rtol * abs(reference):
+            raise SystemExit(
+                f"first-iteration losses differ: {OURS} {reference:.7f}, {name} {loss[name]:.7f}"
+            )
+    print(
+        "first-iteration loss: "
+        + ", ".join(f"{n} {loss[n]:.7f}" for n in (OURS, PEER, SINGLE, BF16))
+        + f" (fp32 ones checked equal within {rtol:g})"
+    )
+
+
+def report(results: list, rtol: float) -> None:
+    """Print the speed sections from every rank's ``measure`` result (sorted by rank)."""
+    times = results[0][1]["times"]
+    loss = {n: next(r[1]["loss"][n] for r in results if r[1]["loss"][n] is not None) for n in times}
+    ms = {name: _median_ms(v) for name, v in times.items()}
+    ideal = ms[ONE_THREAD] / 2
+    cores = threads_for(1)
+    print(
+        f"-- training step (forward-backward, grad-norm clip, AdamW), {HEADLINE_MICROBATCHES} microbatches,"
+        f" fp32, {cores} cores; median of alternated rounds"
+    )
+    _check_losses(loss, rtol)
+    fastest = {name: min(v) * 1000 for name, v in times.items()}
+    rows = [
+        (f"{OURS} ({PIPELINE} processes x {threads_for(PIPELINE)} thread)", ms[OURS], fastest[OURS]),
+        (f"{PEER} (torch.distributed.pipelining)", ms[PEER], fastest[PEER]),
+        (f"{SINGLE} ({cores} threads, no pipeline)", ms[SINGLE], fastest[SINGLE]),
+        (f"two-core ideal ({ONE_THREAD}: {ms[ONE_THREAD]:.1f} ms, halved)", ideal, fastest[ONE_THREAD] / 2),
+    ]
+    # The fastest round beside the median: other load on the machine only ever slows a round down.
+    print(f"{'contender':<62}{'ms/iteration':>14}{'fastest round':>15}")
+    for name, value, best in rows:
+        print(f"{name:<62}{value:>14.1f}{best:>15.1f}")
+    print(f"peer / ours: {ms[PEER] / ms[OURS]:.3f} (ours' speed over the peer's; goal >= 1.03)")
+    print(f"single-process / ours: {ms[SINGLE] / ms[OURS]:.3f} (ours' speed over one process; goal >= 0.97)")
+    print(f"ideal / ours: {ideal / ms[OURS]:.3f} (1.0 would be no overhead and no bubble at all)")
+    kernels = cpu_matmul_kernels()
+    print(
+        f"-- --bf16 against fp32, {OURS}: fp32 {ms[OURS]:.1f} ms, bf16 {ms[BF16]:.1f} ms per iteration,"
+        f" bf16 speed-up {ms[OURS] / ms[BF16]:.3f}x"
+    )
+    print(
+        f"CPU: {kernels.get('cpu flags')}; ATen CPU capability {kernels.get('capability')}, oneDNN"
+        f" available {kernels.get('mkldnn')}; a bf16 linear runs {kernels.get('bfloat16')};"
+        f" an fp32 linear runs {kernels.get('float32')}"
+    )
+    scaling = results[0][1]["scaling"]
+    if not scaling:
+        return
+    print("-- scaling: megatron_lite training step, median ms/iteration (micro-batch 2, global batch 2 m);")
+    print("   in brackets the ideal 1F1B bubble (pp - 1) / (m + pp - 1)")
+    print(f"{'pp':<4}{'threads':>8}" + "".join(f"{f'm = {m}':>18}" for m in SCALING_MICROBATCHES))
+    for pp in SCALING_PP:
+        cells = "".join(
+            f"{_median_ms(scaling[(pp, m)]):>10.1f} ({(pp - 1) / (m + pp - 1):.2f})"
+            for m in SCALING_MICROBATCHES
+        )
+        print(f"{pp:<4}{threads_for(pp):>8}{cells}")
