@@ -59,8 +59,9 @@ def test_recomputation_changes_nothing_bitwise(tmp_path, dropout):
 
 
 def test_distributed_saved_activations_change_nothing_bitwise(tmp_path):
-    """At tp = 2 each recomputed chunk's input is kept as a 1/2 share and gathered back for backward."""
-    tp2 = ("--tensor-model-parallel-size", "2")
+    """At tp = 2 each recomputed chunk's input is kept as a 1/2 share and gathered back for backward;
+    at pp = 2, so the second stage's first share is of a received input, whose gradient is accumulated."""
+    tp2 = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
     losses, weights = _final_weights(tmp_path, "none", DROPOUT, tp2)
     extra = [*DROPOUT, "--distribute-saved-activations"]
     distributed_losses, distributed = _final_weights(tmp_path, "full-uniform", extra, tp2)

@@ -216,6 +216,10 @@ class CheckpointFunction(torch.autograd.Function):
             outputs = run_function(*args)
         if distribute_saved_activations:
             ctx.input_0_shape = args[0].data.shape
+            # The caller's tensor itself: under saved-tensor hooks (the activation tracker) what
+            # save_for_backward hands back is another tensor object, and restoring that one would leave
+            # the caller's (say a received pipeline input, whose gradient is accumulated) flat.
+            ctx.input_0 = args[0]
             args[0].data = split_tensor_into_1d_equal_chunks(args[0].data, new_buffer=True)
         ctx.save_for_backward(*args)
         return outputs
@@ -226,7 +230,9 @@ class CheckpointFunction(torch.autograd.Function):
             raise RuntimeError("checkpointing is not compatible with .grad(); use .backward()")
         inputs = ctx.saved_tensors
         if ctx.distribute_saved_activations:
-            inputs[0].data = gather_split_1d_tensor(inputs[0].data).view(ctx.input_0_shape)
+            ctx.input_0.data = gather_split_1d_tensor(inputs[0].data).view(ctx.input_0_shape)
+            inputs = (ctx.input_0, *inputs[1:])
+            del ctx.input_0
         outer_states = _get_all_rng_states()
         _set_all_rng_states(*ctx.rng_states)
         try:
