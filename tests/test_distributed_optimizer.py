@@ -175,8 +175,9 @@ def test_dp2_loss_parity(tmp_path, dp2_reference, flags):
     _assert_parity(_losses(tmp_path, "1x1x2", flags), dp2_reference, 1e-6)
 
 
-# tp x pp x dp: all flags together, dp = 4 alone and dp = 2 and 4 with pp = 2 and with tp = 2.
-@pytest.mark.parametrize("layout", ["1x1x4", "1x2x4", "2x1x4", "1x2x2", "2x1x2"])
+# tp x pp x dp: all flags together, dp = 4 and 2 with pp = 2, dp = 2 with tp = 2 (dp alone: above, and
+# dp = 4 in-process; the 8-rank tp 2 x dp 4 world adds half a minute and no new path).
+@pytest.mark.parametrize("layout", ["1x2x4", "1x2x2", "2x1x2"])
 def test_loss_parity_with_all_flags(tmp_path, layout):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
