@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     config = parse_args(argv)
     if "--tensorboard-dir" not in argv and config.logger.tensorboard_dir:
         argv = [*argv, "--tensorboard-dir", config.logger.tensorboard_dir]  # one default for all workers
-    code = launch([sys.executable, os.path.abspath(__file__), *argv], config.world_size)
+    code = launch([sys.executable, os.path.abspath(__file__), *argv], config.world_size, entry=worker_main)
     if code == 0 and config.logger.tensorboard_dir:
         print(
             f" logs: {config.logger.tensorboard_dir}  (tensorboard --logdir {config.logger.tensorboard_dir}; "
