@@ -29,6 +29,11 @@ def _children(pid: int) -> list[int]:
 
 
 def _rank_of(pid: int) -> int:
+    """A forked worker is named rank-<r>; a started one (torchrun-style) has RANK in its environment."""
+    with open(f"/proc/{pid}/comm") as f:
+        name = f.read().strip()
+    if name.startswith("rank-"):
+        return int(name[len("rank-") :])
     with open(f"/proc/{pid}/environ", "rb") as f:
         env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
     return int(env[b"RANK"])
