@@ -308,6 +308,36 @@ def test_memory_report_tool_names_the_stage_and_headroom(tmp_path):
     assert row.split()[1:] == ["63", "3", "pp", "stage", "0", "17.000"]
 
 
+def test_memory_report_tool_names_the_peak_stage_of_a_default_run(tmp_path):
+    """Without per-stage tags, the headline's row takes its stage from memory/peak-stage at its step."""
+    import subprocess
+    import sys
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path)) as writer:
+        for step, (peak, stage) in enumerate([(50.0, 3), (70.0, 1), (65.0, 0)], start=1):
+            writer.add_scalar("memory/mem-max-allocated-gigabytes", peak, step)
+            writer.add_scalar("memory/mem-allocated-gigabytes", peak / 2, step)
+            writer.add_scalar("memory/peak-stage", stage, step)
+            writer.add_scalar("memory/pp-imbalance", 1.5, step)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {
+        ln.split()[0]: ln.split()[1:]
+        for ln in result.stdout.splitlines()
+        if ln.startswith(("mem-", "peak", "pp-"))
+    }
+    assert rows["mem-max-allocated-gigabytes"][:5] == ["70", "2", "pp", "stage", "1"]
+    assert rows["mem-allocated-gigabytes"][2] == "n/a"  # only the headline's stage is known
+    assert "peak-stage" not in rows and "pp-imbalance" not in rows  # they annotate, they are not memory
+
+
 def test_memory_report_tool_compares_measured_and_predicted_per_stage(tmp_path):
     """Each stage's measured peak beside the prediction logged at start, with the error in %; a
     prediction without a measurement (the total) is left out of the comparison."""

@@ -20,6 +20,10 @@ import re
 import sys
 from collections import defaultdict
 
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron_lite.training.utils.pipeline_memory import HEADLINE_NAMES  # noqa: E402
+
 STAGE_TAG = re.compile(r"^memory/pp-stage-(\d+)/(.+)$")
 PREDICTED = "predicted-"  # predicted-<quantity>-gigabytes sits beside the measured mem-<quantity>-gigabytes
 CAPACITY = "memory/capacity-gigabytes"
@@ -91,7 +95,10 @@ def print_comparison(rows: list[dict], out=sys.stdout) -> None:
 def summarize(pipeline: dict, stages: dict, capacity: list) -> list[dict]:
     rows = []
     cap = max((v for _, v in capacity), default=None)
+    headline = next((n for n in HEADLINE_NAMES if n in pipeline), None)
     for name in sorted(set(pipeline) | set(stages)):
+        if name in ("peak-stage", "pp-imbalance"):
+            continue  # not memory: they say where the headline peak is, in its row
         per_stage = stages.get(name, {})
         if per_stage:
             stage, (step, peak) = max(
@@ -99,6 +106,10 @@ def summarize(pipeline: dict, stages: dict, capacity: list) -> list[dict]:
             )
         else:
             stage, (step, peak) = None, max(pipeline[name], key=lambda e: e[1])
+            if name == headline and "peak-stage" in pipeline:
+                # The writer logged which stage held the headline peak at each step (memory/peak-stage).
+                held_by = dict(pipeline["peak-stage"])
+                stage = int(held_by[step]) if step in held_by else None
         headroom = cap - peak if cap is not None and "gigabytes" in name else None
         rows.append({"metric": name, "peak": peak, "step": step, "stage": stage, "headroom": headroom})
     return rows
