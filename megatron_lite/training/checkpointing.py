@@ -28,6 +28,7 @@ from megatron_lite.training.distrib_optim_checkpointing import (
     optimizer_format_error,
     uses_distributed_optimizer,
 )
+from megatron_lite.training.utils.atomic_io import atomic_write_bytes, fsync_dir
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
@@ -56,24 +57,6 @@ def _my_shard_name() -> str:
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_world_size(),
     )
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_bytes(path: str, write) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
 
 
 def _layout() -> dict[str, int]:
@@ -165,25 +148,23 @@ def save_checkpoint(state, model, optimizer, scheduler, pg_collection) -> None:
             "parallel_layout": _layout(),
             "config": dataclasses.asdict(state.cfg),
         }
-        _atomic_write_bytes(path, lambda f: torch.save(payload, f))
-        _fsync_dir(os.path.dirname(path))
+        atomic_write_bytes(path, lambda f: torch.save(payload, f))
+        fsync_dir(os.path.dirname(path))
     if uses_distributed_optimizer(optimizer):
         # Every dp rank sends its shards; dp rank 0 writes them next to the model shard.
         param_state = optimizer.get_parameter_state_dp_zero()
         if param_state is not None:
             path = os.path.join(tmp_root, _my_shard_name(), "model_optim_rng.pt")
             optim_path = get_distributed_optimizer_checkpoint_name(path)
-            _atomic_write_bytes(optim_path, lambda f: torch.save(param_state, f))
+            atomic_write_bytes(optim_path, lambda f: torch.save(param_state, f))
     if dist.get_rank() == 0:
         metadata = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, **_layout()}
-        _atomic_write_bytes(
-            os.path.join(tmp_root, METADATA), lambda f: f.write(json.dumps(metadata).encode())
-        )
+        atomic_write_bytes(os.path.join(tmp_root, METADATA), lambda f: f.write(json.dumps(metadata).encode()))
     dist.barrier()
     if _TEST_DELAY_BEFORE_COMMIT_S:
         time.sleep(_TEST_DELAY_BEFORE_COMMIT_S)
     if dist.get_rank() == 0:
-        _fsync_dir(tmp_root)
+        fsync_dir(tmp_root)
         if os.path.exists(final_dir):  # re-saving an iteration: keep the old one until the new is in place
             stale = final_dir + ".old"
             shutil.rmtree(stale, ignore_errors=True)
@@ -192,8 +173,8 @@ def save_checkpoint(state, model, optimizer, scheduler, pg_collection) -> None:
             shutil.rmtree(stale, ignore_errors=True)
         else:
             os.replace(tmp_root, final_dir)
-        _fsync_dir(root)
-        _atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{iteration}\n".encode()))
+        fsync_dir(root)
+        atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{iteration}\n".encode()))
         print(f" successfully saved checkpoint from iteration {iteration:7d} to {root}", flush=True)
     dist.barrier()
 

@@ -13,6 +13,8 @@ import pickle
 
 import torch
 
+from megatron_lite.training.utils.atomic_io import atomic_write_bytes
+
 MAX_ENTRIES = 100_000  # allocation events kept, as upstream
 
 
@@ -30,10 +32,5 @@ def dump_memory_snapshot(path: str) -> str:
     """Write the allocator's snapshot to ``path`` atomically (a reader never sees half a pickle)."""
     snapshot = torch.cuda.memory._snapshot()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    partial = f"{path}.tmp{os.getpid()}"
-    with open(partial, "wb") as f:
-        pickle.dump(snapshot, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    atomic_write_bytes(path, lambda f: pickle.dump(snapshot, f))
     return path

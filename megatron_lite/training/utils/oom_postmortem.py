@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 import torch
 
+from megatron_lite.training.utils.atomic_io import atomic_write_bytes
 from megatron_lite.training.utils.memory_utils import report_memory
 from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage
 
@@ -64,11 +65,5 @@ def write_postmortem(config, rank: int, stage: int, dp_rank: int, iteration: int
     directory = log_directory(config)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"oom-rank{rank}.json")
-    partial = f"{path}.tmp{os.getpid()}"
-    with open(partial, "w") as f:
-        json.dump(record, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    atomic_write_bytes(path, lambda f: f.write((json.dumps(record, indent=2) + "\n").encode()))
     return path
