@@ -284,10 +284,21 @@ def test_loggers_are_created_lazily_on_the_last_rank_only(tmp_path):
     assert scalars(tmp_path)["x"] == {1: 1.0}
 
 
-def test_memory_report_tool_names_the_stage_and_headroom(tmp_path):
-    """A CUDA-like run logged per stage with the device capacity: the tool attributes the peak."""
+def _memory_report(logdir):
+    """tools/memory_report.py over ``logdir``, as a user runs it."""
     import subprocess
     import sys
+
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(logdir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_memory_report_tool_names_the_stage_and_headroom(tmp_path):
+    """A CUDA-like run logged per stage with the device capacity: the tool attributes the peak."""
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -297,12 +308,7 @@ def test_memory_report_tool_names_the_stage_and_headroom(tmp_path):
                 writer.add_scalar(f"memory/pp-stage-{stage}/mem-max-allocated-gigabytes", peak + step, step)
             writer.add_scalar("memory/mem-max-allocated-gigabytes", 60.0 + step, step)
             writer.add_scalar("memory/capacity-gigabytes", 80.0, step)
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _memory_report(tmp_path)
     assert result.returncode == 0, result.stderr
     row = next(ln for ln in result.stdout.splitlines() if ln.startswith("mem-max-allocated-gigabytes"))
     assert row.split()[1:] == ["63", "3", "pp", "stage", "0", "17.000"]
@@ -310,8 +316,6 @@ def test_memory_report_tool_names_the_stage_and_headroom(tmp_path):
 
 def test_memory_report_tool_names_the_peak_stage_of_a_default_run(tmp_path):
     """Without per-stage tags, the headline's row takes its stage from memory/peak-stage at its step."""
-    import subprocess
-    import sys
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -321,12 +325,7 @@ def test_memory_report_tool_names_the_peak_stage_of_a_default_run(tmp_path):
             writer.add_scalar("memory/mem-allocated-gigabytes", peak / 2, step)
             writer.add_scalar("memory/peak-stage", stage, step)
             writer.add_scalar("memory/pp-imbalance", 1.5, step)
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _memory_report(tmp_path)
     assert result.returncode == 0, result.stderr
     rows = {
         ln.split()[0]: ln.split()[1:]
@@ -341,8 +340,6 @@ def test_memory_report_tool_names_the_peak_stage_of_a_default_run(tmp_path):
 def test_memory_report_tool_compares_measured_and_predicted_per_stage(tmp_path):
     """Each stage's measured peak beside the prediction logged at start, with the error in %; a
     prediction without a measurement (the total) is left out of the comparison."""
-    import subprocess
-    import sys
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -353,12 +350,7 @@ def test_memory_report_tool_compares_measured_and_predicted_per_stage(tmp_path):
             writer.add_scalar(tag + "predicted-total-gigabytes", 3 * predicted, 0)
             for step in (1, 2):
                 writer.add_scalar(tag + "mem-max-activation-gigabytes", measured - 2 + 2 * (step - 1), step)
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _memory_report(tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     table = lines[lines.index(next(ln for ln in lines if ln.startswith("measured vs predicted"))) + 2 :]
@@ -370,13 +362,6 @@ def test_memory_report_tool_compares_measured_and_predicted_per_stage(tmp_path):
 
 
 def test_memory_report_tool_refuses_a_run_without_memory(tmp_path):
-    import subprocess
-    import sys
 
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _memory_report(tmp_path)
     assert result.returncode == 2 and "no memory/* scalars" in result.stderr
