@@ -151,6 +151,7 @@ def test_report_memory_on_cpu_measures_rss_and_activations():
 
 
 def test_report_memory_on_cuda_converts_bytes_and_keeps_counters(mocker):
+    mocker.patch.object(train_utils.ACTIVATION_MEMORY, "tracking", True)
     mocker.patch("torch.cuda.is_available", return_value=True)
     mocker.patch("torch.cuda.is_initialized", return_value=True)
     stats = {key: 123_456_789_012 for key in MEMORY_KEYS}
@@ -165,6 +166,23 @@ def test_report_memory_on_cuda_converts_bytes_and_keeps_counters(mocker):
     assert not any(k.endswith("-bytes") for k in report)
     only = report_memory({"num_alloc_retries": "mem-alloc-retires"})
     assert only == {"mem-alloc-retires": 4}
+
+
+def test_an_untracked_step_reports_no_activations_and_no_other():
+    tracker = ActivationMemoryTracker()
+    x = torch.randn(64, 64, requires_grad=True)
+    with tracker.track(enabled=False):
+        (x * 2).exp().sum().backward()  # no hooks: nothing counted
+    assert not tracker.tracking and tracker.peak_bytes == 0
+    with tracker.track():
+        y = x.exp().sum()
+    assert tracker.tracking and tracker.current_bytes == 64 * 64 * 4
+    y.backward()
+    # The process-wide tracker after an untracked step: report_memory leaves its keys out.
+    with train_utils.ACTIVATION_MEMORY.track(enabled=False):
+        pass
+    report = report_memory()
+    assert report and not any("activation" in k or "other" in k for k in report)
 
 
 def test_activation_tracker_counts_each_storage_once_and_releases_it():
@@ -225,7 +243,10 @@ def test_other_is_the_total_minus_the_measured_parts():
     assert other_memory_stats(stats) == {}  # nothing to attribute until the model is tracked
     assert other_memory_stats({**stats, **parts}) == {"other_bytes.current": 435, "other_bytes.peak": 540}
     cuda = {**parts, "allocated_bytes.all.current": 200, "allocated_bytes.all.peak": 400, "rss_bytes.peak": 1}
-    assert other_memory_stats(cuda) == {"other_bytes.current": 140, "other_bytes.peak": 340}
+    # Untracked activations: "other" would silently hold them, so there is none.
+    assert other_memory_stats(cuda) == {}
+    cuda |= {"activation_bytes.current": 5, "activation_bytes.peak": 300}
+    assert other_memory_stats(cuda) == {"other_bytes.current": 135, "other_bytes.peak": 40}
 
 
 def test_stage_slots_carry_every_stage_headline_through_one_max():

@@ -63,6 +63,9 @@ def test_memory_keys_are_upstreams_in_order():
 
 
 def test_cuda_report_has_upstream_names_then_our_extras(mocker):
+    from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
+
+    mocker.patch.object(ACTIVATION_MEMORY, "tracking", True)  # as after a tracked (reported) step
     mocker.patch("torch.cuda.is_available", return_value=True)
     mocker.patch("torch.cuda.is_initialized", return_value=True)
     stats = {k: 1_234_567_890 for k in MEMORY_KEYS} | {"num_alloc_retries": 3, "num_ooms": 2}

@@ -53,8 +53,16 @@ def train_step(
     config: ConfigContainer,
     timers,
     pg_collection,
+    *,
+    track_activation_memory: bool | None = None,
 ):
-    """One global batch: forward/backward over all microbatches, then one optimizer step."""
+    """One global batch: forward/backward over all microbatches, then one optimizer step.
+
+    ``track_activation_memory``: count the tensors saved for backward (ACTIVATION_MEMORY); default:
+    when memory is logged (--log-memory-to-tensorboard). train() also tracks the iterations of the
+    console memory line."""
+    if track_activation_memory is None:
+        track_activation_memory = config.logger.log_memory_to_tensorboard
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -63,7 +71,7 @@ def train_step(
         m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
     )
     timers("forward-backward", log_level=1).start()
-    with ACTIVATION_MEMORY.track():
+    with ACTIVATION_MEMORY.track(enabled=track_activation_memory):
         losses = forward_backward(
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
@@ -179,6 +187,8 @@ def train(forward_step_func, setup_output) -> None:
                 config,
                 timers,
                 s.pg_collection,
+                # Only the reported iterations pay for the saved-tensor hooks.
+                track_activation_memory=config.logger.log_memory_to_tensorboard or report_memory_flag,
             )
             ts.step += 1
             ts.consumed_train_samples += config.train.global_batch_size

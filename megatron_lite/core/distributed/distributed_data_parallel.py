@@ -60,6 +60,9 @@ class DistributedDataParallel(nn.Module):
                 # Autograd accumulates in place into an existing .grad: aliasing the buffer makes
                 # every microbatch's gradient land in main_grad directly.
                 p.grad = p.main_grad
+                # Nothing waits on its gradient hook: a backward may add straight into main_grad
+                # (tensor_parallel/embedding_grad.py).
+                p.main_grad_is_grad = not self.overlap_grad_reduce
             p.register_post_accumulate_grad_hook(self._grad_hook)
         if self.overlap_param_gather:
             for sub in module.modules():

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.model_parallel_config import ModelParallelConfig
+from megatron_lite.core.tensor_parallel.embedding_grad import embedding
 from megatron_lite.core.tensor_parallel.mappings import (
     _gather,
     _reduce_scatter,
@@ -378,14 +379,19 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         shape = (self.num_embeddings_per_partition, embedding_dim)
         self.weight = _new_parameter(shape, config, init_method, 0, rank, world)
+        # Set by a model that also uses the weight elsewhere on this rank (a tied output layer).
+        self.weight_used_elsewhere = False
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        def lookup(ids):
+            return embedding(ids, self.weight, weight_used_elsewhere=self.weight_used_elsewhere)
+
         if get_pg_size(self.tp_group) == 1:
-            output = F.embedding(input_, self.weight)
+            output = lookup(input_)
         else:
             outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
             local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
-            output = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            output = lookup(local_ids).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:
             # [b, s, h] -> [s, b, h], then each rank keeps its share of the sequence.
             return reduce_scatter_to_sequence_parallel_region(

@@ -67,10 +67,11 @@ def other_memory_stats(stats: dict[str, int]) -> dict[str, int]:
 
     Current: the total now minus weights, gradients, optimizer state and the activations alive now.
     Peak: the peak total minus the same static parts and the activations' peak (the activation peak is
-    where the total peaks in training). Empty until the model and the optimizer are tracked.
+    where the total peaks in training). Empty until the model and the optimizer are tracked, and when
+    the activations were not (the rest would silently include them).
     """
     parts = ("weights_bytes.current", "grads_bytes.current", "optimizer_state_bytes.current")
-    if not all(k in stats for k in parts):
+    if not all(k in stats for k in (*parts, "activation_bytes.current")):
         return {}
     total, peak = (
         ("allocated_bytes.all.current", "allocated_bytes.all.peak")
@@ -81,6 +82,6 @@ def other_memory_stats(stats: dict[str, int]) -> dict[str, int]:
         return {}
     static = sum(stats[k] for k in parts)
     return {
-        "other_bytes.current": stats[total] - static - stats.get("activation_bytes.current", 0),
-        "other_bytes.peak": stats[peak] - static - stats.get("activation_bytes.peak", 0),
+        "other_bytes.current": stats[total] - static - stats["activation_bytes.current"],
+        "other_bytes.peak": stats[peak] - static - stats["activation_bytes.peak"],
     }

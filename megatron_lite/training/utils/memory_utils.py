@@ -120,6 +120,9 @@ def _host_memory_stats() -> dict[str, int]:
 
 
 def _activation_memory_stats() -> dict[str, int]:
+    """The tracker's bytes, or nothing when the latest step ran untracked (its numbers would be stale)."""
+    if not ACTIVATION_MEMORY.tracking:
+        return {}
     return {
         "activation_bytes.current": ACTIVATION_MEMORY.current_bytes,
         "activation_bytes.peak": ACTIVATION_MEMORY.peak_bytes,
@@ -150,7 +153,7 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict:
     ``memory_keys`` maps a statistic's key to its logged name; empty or None means
     :func:`default_memory_keys`. Statistics come from ``torch.cuda.memory_stats()`` when CUDA is in
     use, otherwise from the operating system (``rss_bytes.*``); the activation tracker's
-    ``activation_bytes.*`` are always available. Keys that are not available are left out. A byte
+    ``activation_bytes.*`` when the latest step was tracked. Keys that are not available are left out. A byte
     count (its key contains "bytes") becomes gigabytes with "bytes" replaced by "gigabytes" in the
     name; counters keep their integer value. Peaks are since the start of the run.
     """

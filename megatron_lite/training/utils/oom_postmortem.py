@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 import torch
 
+from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 from megatron_lite.training.utils.atomic_io import atomic_write_bytes
 from megatron_lite.training.utils.memory_utils import report_memory
 from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage
@@ -60,6 +61,9 @@ def write_postmortem(config, rank: int, stage: int, dp_rank: int, iteration: int
         "error": short_error(err),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "memory_gigabytes": report_memory(config.logger.memory_keys),
+        # Untracked iterations (no memory logging, past the first console memory line) have no
+        # activation or "other" figures: the saved-tensor hooks are only paid where reported.
+        "activations_tracked": ACTIVATION_MEMORY.tracking,
         "prediction_bytes": {"label": "prediction", **prediction},
     }
     directory = log_directory(config)

@@ -100,6 +100,9 @@ class GPTModel(nn.Module):
             if share_embeddings_and_output_weights and not pre_process:
                 self.output_layer.weight.shared = True
                 self.output_layer.weight.shared_embedding = True
+        if share_embeddings_and_output_weights and pre_process and post_process:
+            # The output layer uses the embedding's weight too: its gradient must come in one sum.
+            self.embedding.word_embeddings.weight_used_elsewhere = True
         if share_embeddings_and_output_weights and pre_process and not post_process:
             # Its gradient is all-reduced with the last stage's copy: the distributed optimizer must
             # shard both alike (param_and_grad_buffer gives each its own bucket).
