@@ -19,12 +19,15 @@ PIPELINE = 4
 SCALING_PP = (1, 2, 4)
 SCALING_MICROBATCHES = (4, 8, 16, 32)
 HEADLINE_MICROBATCHES = 8
-OURS, PEER, SINGLE, ONE_THREAD, BF16 = (
+VIRTUAL = 2  # the interleaved contenders' model chunks per rank
+OURS, PEER, SINGLE, ONE_THREAD, BF16, OURS_VP, PEER_VP = (
     "megatron_lite pp 4",
     "Schedule1F1B pp 4",
     "megatron_lite 1 process",
     "1 process, 1 thread",
     "megatron_lite pp 4 --bf16",
+    "megatron_lite pp 4 vp 2",
+    "ScheduleInterleaved1F1B pp 4 vp 2",
 )
 
 
@@ -43,12 +46,15 @@ def _timed(pp: int, threads: int, run) -> tuple[float | None, object]:
 
 
 def _alternate(contenders: dict, rounds: int) -> tuple[dict, dict]:
-    """Warm-up (its loss kept), then ``rounds`` rounds running each contender once in turn."""
+    """Warm-up (its loss kept), then ``rounds`` rounds running each contender once in turn, the order
+    rotated by one each round: a contender runs after each of the others equally often (what ran
+    just before, the allocator's and the caches' state it leaves, otherwise biases one of them)."""
     losses = {name: _timed(*spec)[1] for name, spec in contenders.items()}
+    names = list(contenders)
     times: dict = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, spec in contenders.items():
-            times[name].append(_timed(*spec)[0])
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(_timed(*contenders[name])[0])
     return times, losses
 
 
@@ -68,7 +74,9 @@ def measure(make_provider, mbs: int, rounds: int, scaling_rounds: int, skip_scal
         PEER: (PIPELINE, 1, peer(make_provider, groups, PIPELINE, batches, m)),
         SINGLE: (1, threads_for(1), single),
         ONE_THREAD: (1, 1, single),
-        BF16: (PIPELINE, 1, ours(lambda pp: make_provider(pp, bf16=True), groups, PIPELINE, [m], batches, mbs)[m]),
+        BF16: (PIPELINE, 1, ours(lambda pp, vp=1: make_provider(pp, bf16=True, vp=vp), groups, PIPELINE, [m], batches, mbs)[m]),
+        OURS_VP: (PIPELINE, 1, ours(make_provider, groups, PIPELINE, [m], batches, mbs, vp=VIRTUAL)[m]),
+        PEER_VP: (PIPELINE, 1, peer(make_provider, groups, PIPELINE, batches, m, vp=VIRTUAL)),
     }  # fmt: skip
     times, losses = _alternate(headline, rounds)
     result = {"times": times, "loss": losses, "scaling": {}}
@@ -92,14 +100,14 @@ def _check_losses(loss: dict, rtol: float) -> None:
     """Ours, the peer and the single process start from equal weights and data: equal work only if
     their first-iteration losses agree."""
     reference = loss[OURS]
-    for name in (PEER, SINGLE):
+    for name in (PEER, SINGLE, OURS_VP, PEER_VP):
         if not abs(loss[name] - reference) <= rtol * abs(reference):
             raise SystemExit(
                 f"first-iteration losses differ: {OURS} {reference:.7f}, {name} {loss[name]:.7f}"
             )
     print(
         "first-iteration loss: "
-        + ", ".join(f"{n} {loss[n]:.7f}" for n in (OURS, PEER, SINGLE, BF16))
+        + ", ".join(f"{n} {loss[n]:.7f}" for n in (OURS, PEER, SINGLE, OURS_VP, PEER_VP, BF16))
         + f" (fp32 ones checked equal within {rtol:g})"
     )
 
@@ -122,6 +130,8 @@ def report(results: list, rtol: float) -> None:
         (f"{PEER} (torch.distributed.pipelining)", ms[PEER], fastest[PEER]),
         (f"{SINGLE} ({cores} threads, no pipeline)", ms[SINGLE], fastest[SINGLE]),
         (f"two-core ideal ({ONE_THREAD}: {ms[ONE_THREAD]:.1f} ms, halved)", ideal, fastest[ONE_THREAD] / 2),
+        (f"{OURS_VP} (interleaved 1F1B)", ms[OURS_VP], fastest[OURS_VP]),
+        (f"{PEER_VP} (torch.distributed.pipelining)", ms[PEER_VP], fastest[PEER_VP]),
     ]
     # The fastest round beside the median: other load on the machine only ever slows a round down.
     print(f"{'contender':<62}{'ms/iteration':>14}{'fastest round':>15}")
@@ -130,6 +140,11 @@ def report(results: list, rtol: float) -> None:
     print(f"peer / ours: {ms[PEER] / ms[OURS]:.3f} (ours' speed over the peer's; goal >= 1.03)")
     print(f"single-process / ours: {ms[SINGLE] / ms[OURS]:.3f} (ours' speed over one process; goal >= 0.97)")
     print(f"ideal / ours: {ideal / ms[OURS]:.3f} (1.0 would be no overhead and no bubble at all)")
+    print(
+        f"interleaved, vp {VIRTUAL}: peer / ours {ms[PEER_VP] / ms[OURS_VP]:.3f}, single-process / ours"
+        f" {ms[SINGLE] / ms[OURS_VP]:.3f}, ideal / ours {ideal / ms[OURS_VP]:.3f} (its bubble is 1 / vp of"
+        " plain 1F1B's)"
+    )
     kernels = cpu_matmul_kernels()
     print(
         f"-- --bf16 against fp32, {OURS}: fp32 {ms[OURS]:.1f} ms, bf16 {ms[BF16]:.1f} ms per iteration,"

@@ -27,7 +27,7 @@ from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.gpt_step import forward_step
-from megatron_lite.training.setup import get_optimizer_param_scheduler
+from megatron_lite.training.setup import _no_sync_all, get_optimizer_param_scheduler
 from megatron_lite.training.state import GlobalState
 from megatron_lite.training.training import train_step
 
@@ -83,18 +83,21 @@ class Groups:
         )  # fmt: skip
 
 
-def ours(make_provider, groups: Groups, pp: int, microbatches, batches, mbs: int):
-    """{m: run()} on this rank of a pp-stage pipeline (``make_provider(pp)`` its GPT), one model and
-    optimizer shared by every microbatch count ``m``; each run is one megatron_lite train_step.
-    Collective over the pipeline."""
+def ours(make_provider, groups: Groups, pp: int, microbatches, batches, mbs: int, vp: int = 1):
+    """{m: run()} on this rank of a pp-stage pipeline (``make_provider(pp, vp=vp)`` its GPT, ``vp``
+    model chunks per rank: interleaved 1F1B when > 1), one model and optimizer shared by every
+    microbatch count ``m``; each run is one megatron_lite train_step. Collective over the pipeline."""
     pgc = groups.collection(pp)
-    cfg = make_provider(pp)
+    cfg = make_provider(pp, vp=vp)
     cfg._pg_collection = pgc
-    ddp = DistributedDataParallel(cfg, cfg.provide(), dp_group=pgc.dp_cp)
-    cfg.no_sync_func = ddp.no_sync
+    chunks = [
+        DistributedDataParallel(cfg, cfg.provide(vp_stage=c if vp > 1 else None), dp_group=pgc.dp_cp)
+        for c in range(vp)
+    ]
+    cfg.no_sync_func = partial(_no_sync_all, chunks)  # as pretrain.py's setup
     cfg.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pgc)
     opt_cfg = OptimizerConfig(bf16=cfg.bf16)
-    optimizer = MegatronOptimizer(opt_cfg, [ddp], model_parallel_group=pgc.mp, tp_group=pgc.tp)
+    optimizer = MegatronOptimizer(opt_cfg, chunks, model_parallel_group=pgc.mp, tp_group=pgc.tp)
     runs = {}
     for m in microbatches:
         config = ConfigContainer(model=cfg, optimizer=opt_cfg)
@@ -107,9 +110,8 @@ def ours(make_provider, groups: Groups, pp: int, microbatches, batches, mbs: int
         step = partial(forward_step, state)
 
         def run(config=config, state=state, scheduler=scheduler, step=step, m=m):
-            losses, *_ = train_step(
-                step, iter(batches[:m]), [ddp], optimizer, scheduler, config, state.timers, pgc
-            )
+            data = [iter(batches[:m]) for _ in chunks] if vp > 1 else iter(batches[:m])
+            losses, *_ = train_step(step, data, chunks, optimizer, scheduler, config, state.timers, pgc)
             loss = losses.get("lm loss")  # only the last stage has it
             return None if loss is None else float(loss)
 
@@ -117,20 +119,25 @@ def ours(make_provider, groups: Groups, pp: int, microbatches, batches, mbs: int
     return runs
 
 
-def peer(make_provider, groups: Groups, pp: int, batches, microbatches: int):
-    """run() for torch.distributed.pipelining's Schedule1F1B over ranks 0..pp-1, followed by the
-    global grad-norm clip (fp64 squares, all-reduced over the pipeline) and torch's AdamW with our
-    optimizer's hyper-parameters. Collective over the pipeline."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def peer(make_provider, groups: Groups, pp: int, batches, microbatches: int, vp: int = 1):
+    """run() for torch.distributed.pipelining's Schedule1F1B (ScheduleInterleaved1F1B with ``vp``
+    chunks per rank, stage index c * pp + rank) over ranks 0..pp-1, followed by the global grad-norm
+    clip (fp64 squares, all-reduced over the pipeline) and torch's AdamW with our optimizer's
+    hyper-parameters. Collective over the pipeline."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     pipe, rank = groups.pp[pp], dist.get_rank()
-    cfg = make_provider(pp)
+    cfg = make_provider(pp, vp=vp)
     cfg._pg_collection = groups.collection(pp)
-    module = TorchPipelineStage(cfg.provide())
-    stage = PipelineStage(module, rank, pp, torch.device("cpu"), group=pipe)
-    schedule = Schedule1F1B(stage, microbatches, loss_fn=peer_loss)
+    modules = [TorchPipelineStage(cfg.provide(vp_stage=c if vp > 1 else None)) for c in range(vp)]
+    device = torch.device("cpu")
+    stages = [PipelineStage(m, c * pp + rank, pp * vp, device, group=pipe) for c, m in enumerate(modules)]
+    if vp > 1:
+        schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=peer_loss)
+    else:
+        schedule = Schedule1F1B(stages[0], microbatches, loss_fn=peer_loss)
     o = OptimizerConfig()
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = [p for module in modules for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},

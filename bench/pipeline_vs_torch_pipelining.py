@@ -163,7 +163,10 @@ def worker(rank, port, args, schedules, size, queue):
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     results = {s: _compare(VIRTUAL_STAGES[s], rank, pgc, size, args.rounds) for s in schedules}
     if not args.skip_speed:
-        make = partial(_provider, 1, size)  # make(pp, bf16=...): one stage per rank
+
+        def make(pp, bf16=False, vp=1):  # the benchmarked GPT over pp stages, vp chunks per rank
+            return _provider(vp, size, pp=pp, bf16=bf16)
+
         results["speed"] = pipeline_speed.measure(
             make, MBS, args.rounds, args.scaling_rounds, args.skip_scaling
         )
