@@ -2,7 +2,7 @@
 
 ``measure`` (on every worker) times, round by round in one world: ours at pp 4, the peer's
 Schedule1F1B at pp 4, our single process (pp 1, all cores) and the same process on one thread (half
-of it is the two-core ideal), ours with bf16; then the scaling grid (pp x microbatches). ``report``
+of it is the two-core ideal), ours with bf16, ours and ScheduleInterleaved1F1B with vp 2; then the scaling grid (pp x microbatches). ``report``
 prints them (rank 0's clock: it starts every pipeline and is the last to finish its backward).
 """
 

@@ -21,8 +21,8 @@ Megatron's interleaving factor 1 + (pp - 1) / (pp * vp).
 Then (unless ``--skip-speed``, see bench/pipeline_speed.py) whole training steps, forward-backward +
 grad-norm clip + AdamW, alternated round by round in the same world: ours at pp 4, the peer's
 Schedule1F1B at pp 4 with torch's AdamW, our single process on all cores (no pipeline, the 8
-microbatches as gradient accumulation) and on one thread (halved: the two-core ideal), with the
-ratios; ours with ``--bf16`` against fp32 and which CPU matmul kernel bf16 runs; and (unless
+microbatches as gradient accumulation) and on one thread (halved: the two-core ideal), ours and
+ScheduleInterleaved1F1B with vp 2, with the ratios (the order rotated each round); ours with ``--bf16`` against fp32 and which CPU matmul kernel bf16 runs; and (unless
 ``--skip-scaling``) ms/iteration for pp in {1, 2, 4} x microbatches in {4, 8, 16, 32} beside the ideal
 1F1B bubble (pp - 1) / (m + pp - 1). The default run takes a few minutes on two cores.
 """
