@@ -64,8 +64,9 @@ OURS, PEER = "megatron_lite", "torch.pipelining"
 LOSS_RTOL = 1e-5
 
 
-def _provider(vp: int, size: dict, pp: int = PP, bf16: bool = False):
-    """The benchmarked GPT over ``pp`` stages, ``size`` giving hidden_size, seq_length and vocab_size."""
+def _provider(vp: int, size: dict, pp: int = PP, bf16: bool = False, defer: bool = False):
+    """The benchmarked GPT over ``pp`` stages, ``size`` giving hidden_size, seq_length and vocab_size;
+    ``defer``: --defer-embedding-wgrad-compute."""
     return GPTModelProvider(
         num_layers=LAYERS,
         num_attention_heads=HEADS,
@@ -75,6 +76,7 @@ def _provider(vp: int, size: dict, pp: int = PP, bf16: bool = False):
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         share_embeddings_and_output_weights=False,
         bf16=bf16,
+        defer_embedding_wgrad_compute=defer,
     )
 
 
@@ -164,8 +166,8 @@ def worker(rank, port, args, schedules, size, queue):
     results = {s: _compare(VIRTUAL_STAGES[s], rank, pgc, size, args.rounds) for s in schedules}
     if not args.skip_speed:
 
-        def make(pp, bf16=False, vp=1):  # the benchmarked GPT over pp stages, vp chunks per rank
-            return _provider(vp, size, pp=pp, bf16=bf16)
+        def make(pp, bf16=False, vp=1, defer=False):  # the benchmarked GPT over pp stages, vp chunks per rank
+            return _provider(vp, size, pp=pp, bf16=bf16, defer=defer)
 
         results["speed"] = pipeline_speed.measure(
             make, MBS, args.rounds, args.scaling_rounds, args.skip_scaling

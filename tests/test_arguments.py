@@ -80,6 +80,15 @@ BAD_INPUT = [
         "--sequence-parallel",
     ),
     (["--distribute-saved-activations"], "--distribute-saved-activations"),
+    (["--defer-embedding-wgrad-compute"], "--defer-embedding-wgrad-compute"),  # pp 1: no flush
+    (
+        "--defer-embedding-wgrad-compute --wgrad-deferral-limit -1 --pipeline-model-parallel-size 2".split(),
+        "--wgrad-deferral-limit",
+    ),
+    (
+        "--defer-embedding-wgrad-compute --overlap-grad-reduce --pipeline-model-parallel-size 2".split(),
+        "--defer-embedding-wgrad-compute",
+    ),
     (["--virtual-pipeline-model-parallel-size", "2"], "--virtual-pipeline-model-parallel-size"),
     (
         "--virtual-pipeline-model-parallel-size 3 --pipeline-model-parallel-size 2 --num-layers 8".split(),

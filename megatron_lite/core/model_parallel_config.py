@@ -78,6 +78,14 @@ class ModelParallelConfig:
     """Sequence length varies between micro-batches (shapes are then exchanged before each send)."""
     deallocate_pipeline_outputs: bool = False
     """Free a stage's output data once it was sent, keeping only its autograd graph."""
+    defer_embedding_wgrad_compute: bool = False
+    """Defer the output layer's weight-gradient GEMMs of the last pipeline stage to the pipeline flush,
+    where they fill the wait for the other stages' backwards; each deferred microbatch keeps the
+    layer's input and output gradient until then. Needs pipeline parallelism (upstream also needs
+    gradient_accumulation_fusion; megatron_lite adds the deferred GEMMs into main_grad without it)."""
+    wgrad_deferral_limit: int = 0
+    """Microbatches per step whose output-layer weight gradient is deferred (the first ones); 0 means
+    all. Ignored unless defer_embedding_wgrad_compute."""
     deterministic_mode: bool = False
     """Prefer deterministic kernels."""
     gradient_accumulation_fusion: bool = False
@@ -92,6 +100,12 @@ class ModelParallelConfig:
     """Batch pipeline sends and receives into one call."""
     overlap_p2p_comm: bool = False
     """Overlap pipeline communication with compute (interleaved schedule only)."""
+
+    def __post_init__(self) -> None:
+        if self.defer_embedding_wgrad_compute and self.pipeline_model_parallel_size == 1:
+            raise ValueError("Cannot defer embedding wgrad compute when pipeline model parallel is not used")
+        if self.defer_embedding_wgrad_compute and self.wgrad_deferral_limit < 0:
+            raise ValueError("Wgrad deferral limit should be greater than or equal to 0 when it is enabled!")
 
     # Hooks the training loop installs on the config; plain class attributes, not fields, so that
     # copying or serialising a config (checkpoints store ``asdict``) never touches process groups.

@@ -80,6 +80,27 @@ def get_model_config(model: torch.nn.Module):
     return model.config
 
 
+def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
+    """``attr`` of the first of model, model.module, ... that has it (that is not None unless
+    ``allow_none``), or that object itself with ``return_model_obj``."""
+    if isinstance(model, list):
+        raise RuntimeError("_get_attr_wrapped_model given a list of models")
+    while not hasattr(model, attr) if allow_none else getattr(model, attr, None) is None:
+        if not hasattr(model, "module"):
+            raise RuntimeError(f"_get_attr_wrapped_model couldn't find attribute {attr}")
+        model = model.module
+    return model if return_model_obj else getattr(model, attr)
+
+
+def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
+    """Run the output layer's deferred weight-gradient GEMMs (``--defer-embedding-wgrad-compute``) at
+    the pipeline flush, adding each into ``weight.main_grad``. Collective over ``tp_group`` under
+    sequence parallelism."""
+    from megatron_lite.core.tensor_parallel.linear_wgrad import drain_wgrad
+
+    drain_wgrad(embedding_activation_buffer, grad_output_buffer, weight, tp_group, config.sequence_parallel)
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module

@@ -140,6 +140,20 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "Layers per model chunk (sets --virtual-pipeline-model-parallel-size).",
     ),
     (
+        "--defer-embedding-wgrad-compute",
+        "model",
+        "defer_embedding_wgrad_compute",
+        "store_true",
+        "Run the last stage's output-layer weight-gradient GEMMs at the pipeline flush.",
+    ),
+    (
+        "--wgrad-deferral-limit",
+        "model",
+        "wgrad_deferral_limit",
+        int,
+        "Microbatches whose output-layer wgrad is deferred (0: all).",
+    ),
+    (
         "--microbatch-group-size-per-virtual-pipeline-stage",
         "model",
         "microbatch_group_size_per_vp_stage",

@@ -213,6 +213,7 @@ class ConfigContainer(_ConfigContainerBase):
             check_data,
             config_checks.check_ranges,
             config_checks.check_divisibility,
+            config_checks.check_deferred_wgrad,
             check_architecture,
             check_activation_levers,
             config_checks.check_logger,

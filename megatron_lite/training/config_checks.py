@@ -259,6 +259,29 @@ def _check_interleaving(cfg, pp: int, vp: int) -> None:
         raise ConfigError("--global-batch-size", f"interleaved 1F1B: {err}") from None
 
 
+def check_deferred_wgrad(cfg) -> None:
+    """--defer-embedding-wgrad-compute runs the output layer's weight-gradient GEMMs at the pipeline
+    flush, after the last backward: there must be a flush, and no reduction may start before them."""
+    m, flag = cfg.model, "--defer-embedding-wgrad-compute"
+    if not m.defer_embedding_wgrad_compute:
+        return
+    if m.pipeline_model_parallel_size == 1:
+        raise ConfigError(
+            flag, "needs --pipeline-model-parallel-size > 1 (the GEMMs wait for the pipeline flush)"
+        )
+    if m.wgrad_deferral_limit < 0:
+        raise ConfigError(
+            "--wgrad-deferral-limit",
+            f"must be >= 0 (0 defers every microbatch), got {m.wgrad_deferral_limit}",
+        )
+    if cfg.ddp.overlap_grad_reduce:
+        raise ConfigError(
+            flag,
+            "cannot be combined with --overlap-grad-reduce: the output layer's gradient bucket would be "
+            "reduced before its deferred GEMMs ran",
+        )
+
+
 def check_logger(cfg) -> None:
     lg = cfg.logger
     pairs = [

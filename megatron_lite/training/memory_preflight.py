@@ -73,6 +73,11 @@ def candidate_changes(config) -> list[Change]:
     recompute = [None] + (
         [] if m.recompute_granularity == "full" else _recompute_changes(m.num_layers // (pp * vp))
     )
+    # The last stage's deferred output-layer wgrad buffers: keep one microbatch's, not all of them.
+    deferral = [None]
+    if m.defer_embedding_wgrad_compute and m.wgrad_deferral_limit != 1:
+        why = "defer one microbatch's output-layer wgrad, not every one"
+        deferral.append(Change(("--wgrad-deferral-limit", "1"), 0.02, why))
     # A deeper pipeline spreads weights and optimizer state over more GPUs: the dearest change.
     world = config.world_size
     deeper = [None] + [
@@ -85,7 +90,7 @@ def candidate_changes(config) -> list[Change]:
         if m.num_layers % (pp * k * vp) == 0
     ]
     combos = []
-    for parts in itertools.product(sp, distopt, recompute, deeper):
+    for parts in itertools.product(deferral, sp, distopt, recompute, deeper):
         chosen = [c for c in parts if c is not None]
         if chosen:
             flags = tuple(f for c in chosen for f in c.flags)
@@ -110,16 +115,20 @@ def _fits(predictions, capacity_gb: float) -> list[bool]:
 
 
 def format_table(predictions, capacity_gb: float) -> str:
+    deferred = any(p.deferred_wgrad_bytes for p in predictions)  # a column only when it is there
     header = (
         f"{'stage':>5} {'weights':>9} {'grads':>9} {'optimizer':>9} {'activations':>11} "
-        f"{'total':>9} {'headroom':>9}   (GB, predicted)"
+        + (f"{'wgrad-deferral':>14} " if deferred else "")
+        + f"{'total':>9} {'headroom':>9}   (GB, predicted)"
     )
     rows = [header]
     for i, p in enumerate(predictions):
         total = _gb(p.total_bytes)
         rows.append(
             f"{i:>5} {_gb(p.weights_bytes):>9.2f} {_gb(p.grads_bytes):>9.2f} {_gb(p.optimizer_state_bytes):>9.2f} "
-            f"{_gb(p.activation_bytes):>11.2f} {total:>9.2f} {capacity_gb - total:>9.2f}"
+            f"{_gb(p.activation_bytes):>11.2f} "
+            + (f"{_gb(p.deferred_wgrad_bytes):>14.2f} " if deferred else "")
+            + f"{total:>9.2f} {capacity_gb - total:>9.2f}"
         )
     return "\n".join(rows)
 

@@ -71,7 +71,8 @@ class DistributedDataParallel(nn.Module):
                     sub.register_forward_pre_hook(self._param_gather_hook(own))
 
     def _grad_hook(self, param: nn.Parameter) -> None:
-        if param.dtype != torch.float32:
+        # No .grad when a backward deferred this weight's gradient (linear_wgrad adds it later).
+        if param.dtype != torch.float32 and param.grad is not None:
             param.main_grad.add_(param.grad)
             param.grad = None
         if self.overlap_grad_reduce and self._sync_enabled:

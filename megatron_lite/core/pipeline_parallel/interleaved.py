@@ -114,6 +114,7 @@ def forward_backward_pipelining_with_interleaving(
     p2p, pg_collection = _groups(config, p2p_communicator, pg_collection)
     pp, rank = p2p.total_stages, p2p.current_stage
     first, last = p2p.is_pp_first_stage, p2p.is_pp_last_stage
+    embedding_module = s.clear_embedding_activation_buffer(config, model, last)
     chunks = len(model)
     group = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp
     check_interleaving(num_microbatches, pp, group)
@@ -244,6 +245,8 @@ def forward_backward_pipelining_with_interleaving(
                 if recv_next:
                     output_tensor_grads[next_chunk].append(output_grad)
         no_sync.close()
+        if not forward_only:  # the last stage's deferred output-layer GEMMs, while the others finish
+            s.finish_embedding_wgrad_compute(config, embedding_module, last, pg_collection.tp)
         wait_for_sends(p2p)  # nothing in flight past the schedule
         finalize = getattr(config, "finalize_model_grads_func", None)
         if finalize is not None and not forward_only:

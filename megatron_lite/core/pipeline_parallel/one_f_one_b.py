@@ -62,6 +62,7 @@ def forward_backward_pipelining_without_interleaving(
     tp_group, cp_group = pg_collection.tp, pg_collection.cp
     cp_size = s._group_size(cp_group)
     first, last = p2p.is_pp_first_stage, p2p.is_pp_last_stage
+    embedding_module = s.clear_embedding_activation_buffer(config, model, last)
 
     # Gradient sync is held off until the last backward (at once, unless a grad_sync_func syncs
     # stages as they finish: then only the first stage, the last to finish, enables it there).
@@ -178,6 +179,8 @@ def forward_backward_pipelining_without_interleaving(
                 if grad_sync_func is not None:
                     grad_sync_func(model.parameters())
         enable_grad_sync()  # forward-only: leave no no_sync context open
+        if not forward_only:  # the last stage's deferred output-layer GEMMs, while the others finish
+            s.finish_embedding_wgrad_compute(config, embedding_module, last, tp_group)
         wait_for_sends(p2p)  # nothing in flight past the schedule
         s._finalize(model, config, forward_only, total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store

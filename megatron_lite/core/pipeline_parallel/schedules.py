@@ -15,6 +15,10 @@ import contextlib
 import torch
 from torch.autograd import Variable
 
+from megatron_lite.core.pipeline_parallel.embedding_wgrad import (
+    clear_embedding_activation_buffer,
+    finish_embedding_wgrad_compute,
+)
 from megatron_lite.core.pipeline_parallel.interleaved import forward_backward_pipelining_with_interleaving
 from megatron_lite.core.pipeline_parallel.one_f_one_b import forward_backward_pipelining_without_interleaving
 from megatron_lite.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -319,8 +323,10 @@ __all__ = [
     "backward_step",
     "backward_step_multimodule",
     "check_first_val_step",
+    "clear_embedding_activation_buffer",
     "custom_backward",
     "deallocate_output_tensor",
+    "finish_embedding_wgrad_compute",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",

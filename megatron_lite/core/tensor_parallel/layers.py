@@ -16,9 +16,11 @@ from torch import nn
 
 from megatron_lite.core.model_parallel_config import ModelParallelConfig
 from megatron_lite.core.tensor_parallel.embedding_grad import embedding
+from megatron_lite.core.tensor_parallel.linear_wgrad import (
+    LinearWithGradAccumulationAndAsyncCommunication,
+    defers_wgrad,
+)
 from megatron_lite.core.tensor_parallel.mappings import (
-    _gather,
-    _reduce_scatter,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -132,29 +134,6 @@ def linear_with_frozen_weight(
     return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad, tp_group)
 
 
-class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
-    """``gather(input) @ weight.T + bias`` for a sequence-parallel input [s / tp, b, in]: the gathered
-    input is used and dropped, only the local shard is kept for backward, which gathers it again
-    for the weight gradient and reduce-scatters the input gradient (upstream's memory saving: the
-    layer keeps s / tp rows, not s). Collective over ``tp_group`` in forward and backward."""
-
-    @staticmethod
-    def forward(ctx, input_, weight, bias, tp_group):
-        ctx.save_for_backward(input_, weight)
-        ctx.has_bias, ctx.tp_group = bias is not None, tp_group
-        return F.linear(_gather(input_, tp_group, 0), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        input_, weight = ctx.saved_tensors
-        total_input = _gather(input_, ctx.tp_group, 0)
-        grad_input = _reduce_scatter(grad_output.matmul(weight.to(grad_output.dtype)), ctx.tp_group, 0)
-        flat_grad = grad_output.reshape(-1, grad_output.size(-1))
-        grad_weight = flat_grad.t().matmul(total_input.reshape(-1, total_input.size(-1)))
-        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight.to(weight.dtype), grad_bias, None
-
-
 def linear_with_grad_accumulation_and_async_allreduce(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -170,20 +149,22 @@ def linear_with_grad_accumulation_and_async_allreduce(
 ) -> torch.Tensor:
     """Trainable linear layer with upstream's signature, without the fused/overlapped kernels: the
     input-gradient all-reduce (``allreduce_dgrad``) runs after the GEMM, not overlapped with it.
-    Collective over ``tp_group`` as ``linear_with_frozen_weight``."""
-    if gradient_accumulation_fusion or grad_output_buffer is not None:
-        raise NotImplementedError(
-            "gradient accumulation fusion / deferred wgrad are not supported by megatron_lite"
-        )
+    With a ``grad_output_buffer`` the weight gradients of the first ``wgrad_deferral_limit``
+    backwards (0: all) are deferred (linear_wgrad). Collective over ``tp_group`` as
+    ``linear_with_frozen_weight``."""
+    if gradient_accumulation_fusion:
+        raise NotImplementedError("gradient accumulation fusion is not supported by megatron_lite")
     if gtp_remat_size != 1 or (output_dtype is not None and output_dtype != input.dtype):
         raise NotImplementedError(
             "GTP remat and mixed-precision linear outputs are not supported by megatron_lite"
         )
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
-    if sequence_parallel:
-        return LinearWithGradAccumulationAndAsyncCommunication.apply(input, weight, bias, tp_group)
-    if allreduce_dgrad:
+    if allreduce_dgrad and not sequence_parallel:
         input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    if sequence_parallel or grad_output_buffer is not None:
+        return LinearWithGradAccumulationAndAsyncCommunication.apply(
+            input, weight, bias, tp_group, sequence_parallel, grad_output_buffer, wgrad_deferral_limit or 0
+        )
     return F.linear(input, weight, bias)
 
 
@@ -262,9 +243,21 @@ class ColumnParallelLinear(nn.Module):
                 f"not {(self.output_size_per_partition, self.input_size)} as expected"
             )
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel and weight.requires_grad:
+        deferring = self.deferring_wgrad(weight)
+        if (self.sequence_parallel or deferring) and weight.requires_grad:
+            input_parallel = input_
+            if not (self.sequence_parallel or self.disable_grad_reduce):
+                input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
+            if deferring and defers_wgrad(self.embedding_activation_buffer, self.config.wgrad_deferral_limit):
+                self.embedding_activation_buffer.append(input_parallel)
             output = LinearWithGradAccumulationAndAsyncCommunication.apply(
-                input_, weight, bias, self.tp_group
+                input_parallel,
+                weight,
+                bias,
+                self.tp_group,
+                self.sequence_parallel,
+                self.grad_output_buffer if deferring else None,
+                self.config.wgrad_deferral_limit,
             )
         elif weight.requires_grad:
             if self.disable_grad_reduce:
@@ -284,6 +277,18 @@ class ColumnParallelLinear(nn.Module):
         if gather:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
+
+    def deferring_wgrad(self, weight: torch.Tensor) -> bool:
+        """Whether this forward's weight gradient may be deferred to the pipeline flush: the layer was
+        given upstream's two buffers under ``defer_embedding_wgrad_compute``, and this is a training
+        forward (an evaluation forward keeps nothing)."""
+        return (
+            getattr(self.config, "defer_embedding_wgrad_compute", False)
+            and self.embedding_activation_buffer is not None
+            and self.grad_output_buffer is not None
+            and weight.requires_grad
+            and torch.is_grad_enabled()
+        )
 
 
 class RowParallelLinear(nn.Module):

@@ -91,6 +91,7 @@ class TransformerConfig(ModelParallelConfig):
     """Initialiser of the output projections; None means normal(0, init_method_std / sqrt(2 num_layers))."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.kv_channels is None and self.num_attention_heads > 0:

@@ -168,6 +168,20 @@ def output_saves(x: Shape) -> int:
     return norm + x.norm_tokens * m.hidden_size * x.elt + t * vocab * 4 + t * (1 + 8) + t * 4
 
 
+def deferred_wgrad_bytes(x: Shape, num_microbatches: int) -> int:
+    """The last stage's extra bytes under --defer-embedding-wgrad-compute, over its saved-tensor peak:
+    each deferred microbatch's output-layer input (t'h e) and output gradient (t V/tp e) are held until
+    the flush. The last microbatch's input is already counted as saved at that peak, so n - 1 inputs
+    and n gradients (exact for plain 1F1B, whose last stage peaks at every microbatch; an upper bound
+    under interleaving, whose last rank peaks before its flush)."""
+    m = x.m
+    if not m.defer_embedding_wgrad_compute:
+        return 0
+    n = min(m.wgrad_deferral_limit or num_microbatches, num_microbatches)
+    vocab = m.padded_vocab_size // m.tensor_model_parallel_size
+    return (n - 1) * x.norm_tokens * m.hidden_size * x.elt + n * x.tokens * vocab * x.elt
+
+
 @dataclass(frozen=True)
 class ChunkActivations:
     """A chunk-microbatch's bytes: ``kept`` from the end of its forward to its backward, ``peak`` the

@@ -56,6 +56,10 @@ The counts are PyTorch's CPU kernels', which the tests measure byte for byte. On
 are saved except where dropout is on (CUDA's dropout keeps 1-byte masks, and its flash / efficient
 attention keeps an RNG state instead of the probabilities): not verified on a GPU yet.
 
+--defer-embedding-wgrad-compute: the last stage also holds each deferred microbatch's output-layer
+input t'h e and output gradient t V/tp e until the pipeline flush (n - 1 inputs beyond the saved
+peak, which counts the last one, and n gradients for n deferred microbatches), in ``total_bytes``.
+
 The schedule: each rank's forwards and backwards in the schedule's own order (plain 1F1B:
 ``min(pp - rank - 1, m)`` warmup forwards, so at most ``min(pp - rank, m)`` microbatches in flight;
 interleaved: upstream's schedule table and warmup), adding a chunk-microbatch's kept bytes at its
@@ -70,6 +74,7 @@ from dataclasses import dataclass, field
 from megatron_lite.core.transformer.transformer_block import get_num_layers_to_build
 from megatron_lite.training.utils.theoretical_activation_memory import (
     chunk_activations,
+    deferred_wgrad_bytes,
     layer_saves,
     make_shape,
     schedule_events,
@@ -110,12 +115,16 @@ class StageMemoryPrediction:
     """First stage: the embedding's saves per microbatch."""
     logits_activation_bytes: int = 0
     """Last stage: the final norm's, output layer's, cross entropy's and loss's saves per microbatch."""
+    deferred_wgrad_bytes: int = 0
+    """Last stage under --defer-embedding-wgrad-compute: the output layer's inputs and output gradients
+    held for the flush, beyond the saved-tensor peak."""
     total_bytes: int = field(init=False)
-    """weights + grads + optimizer state + peak activations (a field, so ``asdict`` carries it)."""
+    """weights + grads + optimizer state + peak activations + deferred wgrad buffers (a field, so
+    ``asdict`` carries it)."""
 
     def __post_init__(self) -> None:
         total = self.weights_bytes + self.grads_bytes + self.optimizer_state_bytes + self.activation_bytes
-        object.__setattr__(self, "total_bytes", total)
+        object.__setattr__(self, "total_bytes", total + self.deferred_wgrad_bytes)
 
 
 def predict_memory_per_stage(config, dp_rank: int = 0) -> list[StageMemoryPrediction]:
@@ -152,6 +161,9 @@ def predict_memory_per_stage(config, dp_rank: int = 0) -> list[StageMemoryPredic
                 chunk_backward_peak_bytes=[c.peak for c in chunks],
                 embedding_activation_bytes=sum(c.embedding for c in chunks),
                 logits_activation_bytes=sum(c.output for c in chunks),
+                deferred_wgrad_bytes=deferred_wgrad_bytes(x, config.num_microbatches)
+                if rank == pp - 1
+                else 0,
             )
         )
     return stages

@@ -84,6 +84,11 @@ class GPTModel(nn.Module):
             tp_group=self.tp_group,
             cp_group=cp_group,
         )
+        # --defer-embedding-wgrad-compute: the output layer's inputs and output gradients, kept from
+        # each microbatch's forward and backward until the schedule drains their weight gradients.
+        defer = post_process and config.defer_embedding_wgrad_compute
+        self.embedding_activation_buffer = [] if defer else None
+        self.grad_output_buffer = [] if defer else None
         if post_process:
             tied_elsewhere = share_embeddings_and_output_weights and pre_process
             # The same seed key as the embedding gives the last stage an identical copy of it.
@@ -95,6 +100,8 @@ class GPTModel(nn.Module):
                     init_method=init_method_normal(config.init_method_std),
                     bias=False,
                     skip_weight_param_allocation=tied_elsewhere,
+                    embedding_activation_buffer=self.embedding_activation_buffer,
+                    grad_output_buffer=self.grad_output_buffer,
                     tp_group=self.tp_group,
                 )
             if share_embeddings_and_output_weights and not pre_process:

@@ -1,0 +1,103 @@
+"""The trainable linear's autograd function, with upstream's deferred weight gradient.
+
+``LinearWithGradAccumulationAndAsyncCommunication`` computes ``gather(input) @ weight.T + bias``: under
+sequence parallelism the input is a sequence shard [s / tp, b, in], gathered for the GEMM and dropped,
+so the layer keeps s / tp rows (upstream's memory saving); backward gathers it again for the weight
+gradient and reduce-scatters the input gradient.
+
+Given a ``grad_output_buffer`` (upstream's ``--defer-embedding-wgrad-compute``, on the output layer of
+the last pipeline stage), backward appends its output gradient there instead of computing the weight
+gradient, for the first ``wgrad_deferral_limit`` microbatches of a step (0: all of them); the layer keeps
+their inputs in its ``embedding_activation_buffer``. :func:`drain_wgrad` then runs those GEMMs in
+microbatch order at the pipeline flush, while the other stages are still finishing their backwards,
+adding each into the weight's ``main_grad`` as autograd would have: the same GEMM, the same order, the
+same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.core.tensor_parallel.mappings import _gather, _reduce_scatter
+
+
+def _wgrad(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.Tensor:
+    """dL/dW = grad_output^T input over all tokens: the GEMM (and so the bits) of F.linear's backward."""
+    flat_grad = grad_output.reshape(-1, grad_output.size(-1))
+    return flat_grad.t().mm(total_input.reshape(-1, total_input.size(-1)))
+
+
+def defers_wgrad(grad_output_buffer: list | None, wgrad_deferral_limit: int | None) -> bool:
+    """Whether the next backward defers its weight gradient (upstream's limit test: 0 defers all)."""
+    if grad_output_buffer is None:
+        return False
+    return not wgrad_deferral_limit or len(grad_output_buffer) < wgrad_deferral_limit
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """Collective over ``tp_group`` in forward and backward under ``sequence_parallel``; local otherwise
+    (the caller copies the input into the tensor-parallel region, whose backward all-reduces)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        input_,
+        weight,
+        bias,
+        tp_group,
+        sequence_parallel=True,
+        grad_output_buffer=None,
+        wgrad_deferral_limit=0,
+    ):
+        ctx.save_for_backward(input_, weight)
+        ctx.has_bias, ctx.tp_group, ctx.sequence_parallel = bias is not None, tp_group, sequence_parallel
+        ctx.grad_output_buffer, ctx.wgrad_deferral_limit = grad_output_buffer, wgrad_deferral_limit
+        total_input = _gather(input_, tp_group, 0) if sequence_parallel else input_
+        return F.linear(total_input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        deferred = defers_wgrad(ctx.grad_output_buffer, ctx.wgrad_deferral_limit)
+        if deferred:
+            ctx.grad_output_buffer.append(grad_output)
+        grad_input = grad_output.matmul(weight.to(grad_output.dtype))
+        if ctx.sequence_parallel:
+            grad_input = _reduce_scatter(grad_input, ctx.tp_group, 0)
+        grad_weight = None
+        if not deferred:
+            total_input = _gather(input_, ctx.tp_group, 0) if ctx.sequence_parallel else input_
+            grad_weight = _wgrad(grad_output, total_input).to(weight.dtype)
+        grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+@torch.no_grad()
+def drain_wgrad(
+    embedding_activation_buffer: list,
+    grad_output_buffer: list,
+    weight: torch.Tensor,
+    tp_group,
+    sequence_parallel: bool,
+) -> None:
+    """Add the deferred weight gradients into ``weight.main_grad`` (``weight.grad`` for a weight without
+    one), oldest microbatch first, emptying both buffers as it goes. Collective over ``tp_group`` under
+    ``sequence_parallel`` (each input is gathered again)."""
+    if len(embedding_activation_buffer) != len(grad_output_buffer):
+        raise RuntimeError(
+            f"deferred wgrad: {len(embedding_activation_buffer)} inputs but "
+            f"{len(grad_output_buffer)} output gradients"
+        )
+    while grad_output_buffer:
+        input_, grad_output = embedding_activation_buffer.pop(0), grad_output_buffer.pop(0)
+        total_input = _gather(input_, tp_group, 0) if sequence_parallel else input_
+        grad = _wgrad(grad_output, total_input)
+        del input_, total_input, grad_output  # each microbatch's buffers go as soon as they are used
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is not None:
+            main_grad.add_(grad)  # what DDP's accumulation does with a computed gradient
+        elif weight.grad is None:
+            weight.grad = grad.to(weight.dtype)
+        else:
+            weight.grad.add_(grad)
