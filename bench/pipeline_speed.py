@@ -98,6 +98,16 @@ def _median_ms(values) -> float:
     return statistics.median(values) * 1000
 
 
+def _paired(times: dict, num: str, den: str) -> str:
+    """The ratio num / den round by round (both ran in the same round, so a machine slower for a
+    while slows both): its median and quartiles, how far one run's medians can be trusted."""
+    ratios = [a / b for a, b in zip(times[num], times[den])]
+    if len(ratios) < 2:
+        return f"round by round {ratios[0]:.3f}"
+    q1, q2, q3 = statistics.quantiles(ratios, n=4)
+    return f"round by round: median {statistics.median(ratios):.3f}, quartiles {q1:.3f}-{q3:.3f}"
+
+
 def _check_losses(loss: dict, rtol: float) -> None:
     """Ours, the peer and the single process start from equal weights and data: equal work only if
     their first-iteration losses agree."""
@@ -140,13 +150,20 @@ def report(results: list, rtol: float) -> None:
     print(f"{'contender':<62}{'ms/iteration':>14}{'fastest round':>15}")
     for name, value, best in rows:
         print(f"{name:<62}{value:>14.1f}{best:>15.1f}")
-    print(f"peer / ours: {ms[PEER] / ms[OURS]:.3f} (ours' speed over the peer's; goal >= 1.03)")
-    print(f"single-process / ours: {ms[SINGLE] / ms[OURS]:.3f} (ours' speed over one process; goal >= 0.97)")
+    print(
+        f"peer / ours: {ms[PEER] / ms[OURS]:.3f} (ours' speed over the peer's; goal >= 1.03; "
+        f"{_paired(times, PEER, OURS)})"
+    )
+    print(
+        f"single-process / ours: {ms[SINGLE] / ms[OURS]:.3f} (ours' speed over one process; goal >= 0.97; "
+        f"{_paired(times, SINGLE, OURS)})"
+    )
     print(f"ideal / ours: {ideal / ms[OURS]:.3f} (1.0 would be no overhead and no bubble at all)")
     print(
         f"--defer-embedding-wgrad-compute: peer / ours {ms[PEER] / ms[DEFER]:.3f}, single-process / ours"
         f" {ms[SINGLE] / ms[DEFER]:.3f}, ideal / ours {ideal / ms[DEFER]:.3f}; {ms[OURS] / ms[DEFER]:.3f}x"
-        " the default's speed (the last stage's output-layer wgrad GEMMs run in its cooldown wait)"
+        f" the default's speed ({_paired(times, OURS, DEFER)}; the last stage's output-layer wgrad GEMMs"
+        " run in its cooldown wait)"
     )
     print(
         f"interleaved, vp {VIRTUAL}: peer / ours {ms[PEER_VP] / ms[OURS_VP]:.3f}, single-process / ours"

@@ -30,6 +30,7 @@ from megatron_lite.training.gpt_step import forward_step
 from megatron_lite.training.setup import _no_sync_all, get_optimizer_param_scheduler
 from megatron_lite.training.state import GlobalState
 from megatron_lite.training.training import train_step
+from megatron_lite.training.utils.cpu_features import BF16_MATRIX_FLAGS, cpu_flags
 
 
 class TorchPipelineStage(nn.Module):
@@ -201,13 +202,6 @@ def cpu_matmul_kernels() -> dict[str, str]:
         elif line.startswith(("capability", "mkldnn")):
             key, value = line.split(" ", 1)
             report[key] = value
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(ln.split(":")[1].split()) for ln in f if ln.startswith("flags")), set())
-    except OSError:
-        pass
-    report["cpu flags"] = " ".join(
-        f"{flag}:{'yes' if flag in flags else 'no'}" for flag in ("avx512_bf16", "amx_bf16", "amx_tile")
-    )
+    flags = cpu_flags() or set()
+    report["cpu flags"] = " ".join(f"{flag}:{'yes' if flag in flags else 'no'}" for flag in BF16_MATRIX_FLAGS)
     return report

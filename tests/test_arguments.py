@@ -284,3 +284,31 @@ def test_adjusted_values_are_one_note_on_stdout_not_stderr(capsys):
     assert err == ""
     assert out.count("pretrain.py: note: ") == 1 and "capping lr_warmup_steps" in out
     assert cfg.scheduler.lr_warmup_steps == cfg.scheduler.lr_decay_steps - 1
+
+
+@pytest.mark.parametrize("units", [False, True, None])
+def test_bf16_on_a_cpu_without_bf16_units_is_one_note(units, capsys, mocker):
+    mocker.patch("megatron_lite.training.config_checks.has_bf16_matrix_units", return_value=units)
+    mocker.patch("torch.cuda.is_available", return_value=False)
+    parse_args(["--bf16"])
+    out, err = capsys.readouterr()
+    assert err == ""
+    noted = out.count("pretrain.py: note: --bf16 on a CPU without bf16 matrix instructions")
+    assert noted == (1 if units is False else 0), out
+
+
+def test_cpu_bf16_units_come_from_the_kernels_flags(mocker, tmp_path):
+    from megatron_lite.training.utils import cpu_features
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    real_open = open
+    mocker.patch(
+        "builtins.open",
+        side_effect=lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k),
+    )
+    assert cpu_features.has_bf16_matrix_units() is True
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2\n")
+    assert cpu_features.has_bf16_matrix_units() is False
+    cpuinfo.unlink()
+    assert cpu_features.has_bf16_matrix_units() is None

@@ -3,15 +3,19 @@
 Upstream's checks (in ConfigContainer.validate and each section's finalize) say whether a config is
 coherent; these say whether megatron_lite can run it: features not built yet are refused by name,
 and the layout must split evenly. Each failure is one ConfigError naming the flag and the fix. Pure:
-they read the config and write nothing.
+they read the config (and /proc/cpuinfo: --bf16 on a CPU without bf16 units is a warning, which
+parse_args prints as one note) and write nothing.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
 from megatron_lite.core.pipeline_parallel.interleaved import check_interleaving
 from megatron_lite.training.config_errors import ConfigError
+from megatron_lite.training.utils.cpu_features import has_bf16_matrix_units
 
 _SUPPORTED_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -112,6 +116,13 @@ def check_supported(cfg) -> None:
             raise ConfigError(
                 "--use-pytorch-profiler", "writes its traces beside --tensorboard-dir; set --tensorboard-dir"
             )
+    if m.bf16 and not torch.cuda.is_available() and has_bf16_matrix_units() is False:
+        warnings.warn(
+            "--bf16 on a CPU without bf16 matrix instructions (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): "
+            "its matmuls take ATen's generic GEMM, many times slower than fp32 on this machine "
+            "(bench/pipeline_vs_torch_pipelining.py prints the ratio)",
+            stacklevel=2,
+        )
     for name in (
         "mixed_precision",
         "comm_overlap",
