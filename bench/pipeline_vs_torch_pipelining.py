@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """megatron_lite's pipeline schedules against torch.distributed.pipelining's, same model, same processes.
 
-    python bench/pipeline_vs_torch_pipelining.py [--rounds 6] [--schedule {1f1b,interleaved,both}]
+    python bench/pipeline_vs_torch_pipelining.py [--rounds 10] [--schedule {1f1b,interleaved,both}]
         [--scaling-rounds 3] [--skip-scaling] [--skip-speed]
         [--hidden-size 256] [--seq-length 128] [--vocab-size 8192]
 
@@ -21,8 +21,10 @@ Megatron's interleaving factor 1 + (pp - 1) / (pp * vp).
 Then (unless ``--skip-speed``, see bench/pipeline_speed.py) whole training steps, forward-backward +
 grad-norm clip + AdamW, alternated round by round in the same world: ours at pp 4, the peer's
 Schedule1F1B at pp 4 with torch's AdamW, our single process on all cores (no pipeline, the 8
-microbatches as gradient accumulation) and on one thread (halved: the two-core ideal), ours and
-ScheduleInterleaved1F1B with vp 2, with the ratios (the order rotated each round); ours with ``--bf16`` against fp32 and which CPU matmul kernel bf16 runs; and (unless
+microbatches as gradient accumulation) and on one thread (halved: the two-core ideal), ours with
+``--defer-embedding-wgrad-compute``, ours and ScheduleInterleaved1F1B with vp 2, with the ratios (the
+order rotated each round; each ratio also round by round); ours with ``--bf16`` against fp32 (in a
+quarter of the rounds) and which CPU matmul kernel bf16 runs; and (unless
 ``--skip-scaling``) ms/iteration for pp in {1, 2, 4} x microbatches in {4, 8, 16, 32} beside the ideal
 1F1B bubble (pp - 1) / (m + pp - 1). The default run takes a few minutes on two cores.
 """
@@ -249,7 +251,7 @@ def _report_interleaving_factor(results: list) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6, help="timed rounds per schedule")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per schedule")
     parser.add_argument(
         "--schedule", choices=[*VIRTUAL_STAGES, "both"], default="both", help="which comparison to run"
     )
