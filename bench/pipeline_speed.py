@@ -112,7 +112,7 @@ def _paired(times: dict, num: str, den: str) -> str:
     ratios = [a / b for a, b in zip(times[num], times[den])]
     if len(ratios) < 2:
         return f"round by round {ratios[0]:.3f}"
-    q1, q2, q3 = statistics.quantiles(ratios, n=4)
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
     return f"round by round: median {statistics.median(ratios):.3f}, quartiles {q1:.3f}-{q3:.3f}"
 
 

@@ -310,5 +310,7 @@ def test_cpu_bf16_units_come_from_the_kernels_flags(mocker, tmp_path):
     assert cpu_features.has_bf16_matrix_units() is True
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2\n")
     assert cpu_features.has_bf16_matrix_units() is False
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # aarch64: not judged here
+    assert cpu_features.has_bf16_matrix_units() is None
     cpuinfo.unlink()
     assert cpu_features.has_bf16_matrix_units() is None

@@ -33,6 +33,11 @@ class DistributedDataParallel(nn.Module):
         self.overlap_grad_reduce = bool(getattr(ddp_config, "overlap_grad_reduce", False))
         self.overlap_param_gather = bool(getattr(ddp_config, "overlap_param_gather", False))
         self.use_distributed_optimizer = bool(getattr(ddp_config, "use_distributed_optimizer", False))
+        if self.overlap_grad_reduce and getattr(config, "defer_embedding_wgrad_compute", False):
+            raise ValueError(
+                "overlap_grad_reduce cannot be combined with defer_embedding_wgrad_compute: the output "
+                "layer's bucket would be reduced before its deferred weight gradients are added"
+            )
         dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         bucket_size = bucket_size or getattr(ddp_config, "bucket_size", None)
         if bucket_size is None:

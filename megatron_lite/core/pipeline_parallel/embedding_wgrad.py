@@ -14,6 +14,11 @@ def clear_embedding_activation_buffer(config, model, is_last_stage: bool):
     earlier, interrupted step) and return the module that holds them; else None."""
     if not (is_last_stage and getattr(config, "defer_embedding_wgrad_compute", False)):
         return None
+    if getattr(config, "grad_sync_func", None) is not None:
+        raise ValueError(
+            "defer_embedding_wgrad_compute cannot be combined with a grad_sync_func (overlapped gradient "
+            "reduction): the gradients would be synced before the deferred weight gradients are added"
+        )
     module = get_attr_wrapped_model(
         model[-1] if isinstance(model, list) else model, "post_process", return_model_obj=True
     )

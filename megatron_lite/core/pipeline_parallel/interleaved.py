@@ -247,6 +247,8 @@ def forward_backward_pipelining_with_interleaving(
         no_sync.close()
         if not forward_only:  # the last stage's deferred output-layer GEMMs, while the others finish
             s.finish_embedding_wgrad_compute(config, embedding_module, last, pg_collection.tp)
+        else:  # a forward-only pass with grad enabled keeps inputs it never needs
+            s.clear_embedding_activation_buffer(config, model, last)
         wait_for_sends(p2p)  # nothing in flight past the schedule
         finalize = getattr(config, "finalize_model_grads_func", None)
         if finalize is not None and not forward_only:

@@ -181,6 +181,8 @@ def forward_backward_pipelining_without_interleaving(
         enable_grad_sync()  # forward-only: leave no no_sync context open
         if not forward_only:  # the last stage's deferred output-layer GEMMs, while the others finish
             s.finish_embedding_wgrad_compute(config, embedding_module, last, tp_group)
+        else:  # a forward-only pass with grad enabled keeps inputs it never needs
+            s.clear_embedding_activation_buffer(config, model, last)
         wait_for_sends(p2p)  # nothing in flight past the schedule
         s._finalize(model, config, forward_only, total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store

@@ -6,10 +6,11 @@ BF16_MATRIX_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def cpu_flags() -> set[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo; None where there is no such file (not Linux)."""
+    """The x86 CPU's feature flags from /proc/cpuinfo; None where there is no such file (not Linux) or
+    no x86 ``flags`` line (aarch64 lists ``Features``: unknown here)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), None)
     except OSError:
         return None
 

@@ -170,16 +170,17 @@ def output_saves(x: Shape) -> int:
 
 def deferred_wgrad_bytes(x: Shape, num_microbatches: int) -> int:
     """The last stage's extra bytes under --defer-embedding-wgrad-compute, over its saved-tensor peak:
-    each deferred microbatch's output-layer input (t'h e) and output gradient (t V/tp e) are held until
-    the flush. The last microbatch's input is already counted as saved at that peak, so n - 1 inputs
-    and n gradients (exact for plain 1F1B, whose last stage peaks at every microbatch; an upper bound
-    under interleaving, whose last rank peaks before its flush)."""
+    each of the n deferred microbatches' output-layer input (t'h e) and output gradient (t V/tp e) is
+    held until the flush. When the last microbatch is deferred too, its input is already counted as
+    saved at that peak: n - 1 inputs then, n otherwise (exact for plain 1F1B, whose last stage peaks
+    at every microbatch; an upper bound under interleaving, whose last rank peaks before its flush)."""
     m = x.m
     if not m.defer_embedding_wgrad_compute:
         return 0
     n = min(m.wgrad_deferral_limit or num_microbatches, num_microbatches)
+    inputs = n - 1 if n == num_microbatches else n
     vocab = m.padded_vocab_size // m.tensor_model_parallel_size
-    return (n - 1) * x.norm_tokens * m.hidden_size * x.elt + n * x.tokens * vocab * x.elt
+    return inputs * x.norm_tokens * m.hidden_size * x.elt + n * x.tokens * vocab * x.elt
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,9 @@ are saved except where dropout is on (CUDA's dropout keeps 1-byte masks, and its
 attention keeps an RNG state instead of the probabilities): not verified on a GPU yet.
 
 --defer-embedding-wgrad-compute: the last stage also holds each deferred microbatch's output-layer
-input t'h e and output gradient t V/tp e until the pipeline flush (n - 1 inputs beyond the saved
-peak, which counts the last one, and n gradients for n deferred microbatches), in ``total_bytes``.
+input t'h e and output gradient t V/tp e until the pipeline flush (n gradients and n inputs for n
+deferred microbatches, n - 1 inputs when all are deferred: the saved peak counts the last one), in
+``total_bytes``.
 
 The schedule: each rank's forwards and backwards in the schedule's own order (plain 1F1B:
 ``min(pp - rank - 1, m)`` warmup forwards, so at most ``min(pp - rank, m)`` microbatches in flight;
