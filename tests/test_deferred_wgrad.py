@@ -204,15 +204,19 @@ def test_deferred_wgrad_under_tensor_parallelism_with_and_without_sequence_paral
                 assert storage_bytes == MICROBATCHES * (one_input + MBS * SEQ * VOCAB // 2 * 4)
 
 
-def test_a_weight_without_main_grad_gets_the_deferred_sum_as_its_grad():
-    """The core API without DDP: the drain leaves in ``.grad`` what autograd would have."""
-    config = TransformerConfig(
+def _deferring_config() -> TransformerConfig:
+    return TransformerConfig(
         num_layers=1,
         hidden_size=HIDDEN,
         num_attention_heads=4,
         pipeline_model_parallel_size=2,
         defer_embedding_wgrad_compute=True,
     )
+
+
+def test_a_weight_without_main_grad_gets_the_deferred_sum_as_its_grad():
+    """The core API without DDP: the drain leaves in ``.grad`` what autograd would have."""
+    config = _deferring_config()
     torch.manual_seed(0)
     inputs = [torch.randn(SEQ, MBS, HIDDEN, requires_grad=True) for _ in range(3)]
 
@@ -242,13 +246,7 @@ def test_overlapped_grad_reduction_is_refused_by_the_core_api():
     overlapped reduction would start before the deferred gradients are added."""
     from types import SimpleNamespace
 
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        pipeline_model_parallel_size=2,
-        defer_embedding_wgrad_compute=True,
-    )
+    config = _deferring_config()
     with pytest.raises(ValueError, match="overlap_grad_reduce cannot be combined"):
         DistributedDataParallel(
             config, torch.nn.Linear(2, 2), ddp_config=SimpleNamespace(overlap_grad_reduce=True)
