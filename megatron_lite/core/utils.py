@@ -85,7 +85,11 @@ def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_mod
     ``allow_none``), or that object itself with ``return_model_obj``."""
     if isinstance(model, list):
         raise RuntimeError("_get_attr_wrapped_model given a list of models")
-    while not hasattr(model, attr) if allow_none else getattr(model, attr, None) is None:
+
+    def missing(m) -> bool:
+        return not hasattr(m, attr) if allow_none else getattr(m, attr, None) is None
+
+    while missing(model):
         if not hasattr(model, "module"):
             raise RuntimeError(f"_get_attr_wrapped_model couldn't find attribute {attr}")
         model = model.module

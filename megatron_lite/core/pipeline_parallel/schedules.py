@@ -23,7 +23,7 @@ from megatron_lite.core.pipeline_parallel.interleaved import forward_backward_pi
 from megatron_lite.core.pipeline_parallel.one_f_one_b import forward_backward_pipelining_without_interleaving
 from megatron_lite.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
-from megatron_lite.core.utils import get_collective_device, get_model_config
+from megatron_lite.core.utils import get_attr_wrapped_model, get_collective_device, get_model_config
 
 
 def get_forward_backward_func(
@@ -78,9 +78,10 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor | None) -> N
 
 def _wrapped_attr(model, name: str):
     """``name`` from the first of model, model.module, ... that has it (None if none does)."""
-    while not hasattr(model, name) and hasattr(model, "module"):
-        model = model.module
-    return getattr(model, name, None)
+    try:
+        return get_attr_wrapped_model(model, name)
+    except RuntimeError:
+        return None
 
 
 def set_current_microbatch(model, microbatch_id: int) -> None:
