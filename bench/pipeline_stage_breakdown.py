@@ -64,11 +64,12 @@ class _Clock:
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 return original(*args, **kwargs)
             finally:
                 self.current[part] += time.perf_counter() - start
+                self.current[part + ":cpu"] += time.process_time() - cpu
 
         setattr(owner, name, timed)
 
@@ -119,7 +120,11 @@ def _stage_row(iterations: list[dict]) -> dict:
         row["other"] = it["total"] * 1000 - named
         row["total"] = it["total"] * 1000
         row["cpu"] = it["cpu"] * 1000
-        rows.append(row)
+        cpu = {f"{k}:cpu": it.get(f"{k}:cpu", 0.0) * 1000 for k, _ in PARTS if k != "other"}
+        cpu["forward:cpu"] -= cpu["data:cpu"]
+        named = sum(v for k, v in cpu.items() if k[:-4] not in NESTED) + it.get("optimizer:cpu", 0.0) * 1000
+        cpu["other:cpu"] = row["cpu"] - named
+        rows.append(row | cpu)
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
@@ -152,6 +157,13 @@ def main() -> int:
     for rank, row in rows.items():
         line = "".join(f"{row[k]:>11.1f}" for k, _ in PARTS)
         print(f"{rank:<7}{line}{row['total']:>11.1f}{row['cpu']:>11.1f}")
+    print("the same parts' process CPU time (ms per iteration; p2p and waits are mostly idle)")
+    for rank, row in rows.items():
+        line = "".join(f"{row[k + ':cpu']:>11.1f}" for k, _ in PARTS)
+        print(f"{rank:<7}{line}{'':>11}{row['cpu']:>11.1f}")
+    if len(rows) > 1:
+        line = "".join(f"{sum(r[k + ':cpu'] for r in rows.values()):>11.1f}" for k, _ in PARTS)
+        print(f"{'all':<7}{line}{'':>11}{sum(r['cpu'] for r in rows.values()):>11.1f}")
     wall, cpu = max(r["total"] for r in rows.values()), sum(r["cpu"] for r in rows.values())
     cores = os.cpu_count() or 1
     print(
