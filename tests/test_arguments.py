@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
-from dist_helpers import REPO, run_pretrain
+from dist_helpers import PRETRAIN, REPO
 
 from megatron_lite.training.arguments import parse_args
 from megatron_lite.training.config import ConfigContainer
@@ -234,7 +236,10 @@ def test_memory_flag_without_dir_gets_a_default_dir(tmp_path):
 
 
 def _pretrain(args, cwd):
-    return run_pretrain(args, cwd, timeout=120)
+    # A fresh interpreter, as a user starts it (run_pretrain forks a preloaded one).
+    return subprocess.run(
+        [sys.executable, PRETRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_bad_input_starts_nothing_and_writes_nothing(tmp_path):
