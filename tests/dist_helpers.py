@@ -134,10 +134,12 @@ def _pretrain_main(args: list[str], cwd: str, env: dict, out_path: str, err_path
     try:
         runpy.run_path(PRETRAIN, run_name="__main__")
         code = 0
-    except SystemExit as stop:
+    except SystemExit as stop:  # as the interpreter does: an int is the status, anything else printed
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
     except BaseException:
-        traceback.print_exc()  # as the interpreter would, exit status 1
+        traceback.print_exc()  # as the interpreter does, exit status 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
