@@ -103,6 +103,49 @@ BAD_INPUT = [
         "--global-batch-size 4 --micro-batch-size 2".split(),
         "--global-batch-size",
     ),
+    (
+        "--num-virtual-stages-per-pipeline-rank 2 --virtual-pipeline-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 2".split(),
+        "--num-virtual-stages-per-pipeline-rank",
+    ),
+    (
+        "--decoder-first-pipeline-num-layers 3 --pipeline-model-parallel-size 4 --num-layers 8".split(),
+        "--decoder-first-pipeline-num-layers",
+    ),
+    (
+        "--decoder-last-pipeline-num-layers 9 --pipeline-model-parallel-size 2 --num-layers 8".split(),
+        "--decoder-last-pipeline-num-layers",
+    ),
+    (["--decoder-first-pipeline-num-layers", "2"], "--decoder-first-pipeline-num-layers"),  # pp 1
+    (
+        "--decoder-first-pipeline-num-layers 0 --pipeline-model-parallel-size 2 --num-layers 8".split(),
+        "--decoder-first-pipeline-num-layers",
+    ),
+    (
+        "--decoder-first-pipeline-num-layers 4 --decoder-last-pipeline-num-layers 4 "
+        "--pipeline-model-parallel-size 3 --num-layers 8".split(),
+        "--decoder-first-pipeline-num-layers",
+    ),
+    (
+        "--decoder-last-pipeline-num-layers 2 --account-for-loss-in-pipeline-split "
+        "--pipeline-model-parallel-size 2 --num-layers 8".split(),
+        "--decoder-last-pipeline-num-layers",
+    ),
+    (
+        "--account-for-embedding-in-pipeline-split --pipeline-model-parallel-size 2 --num-layers 8".split(),
+        "--account-for-embedding-in-pipeline-split",
+    ),
+    (
+        "--decoder-first-pipeline-num-layers 3 --num-layers-per-virtual-pipeline-stage 1 "
+        "--pipeline-model-parallel-size 2 --num-layers 6".split(),
+        "--num-layers-per-virtual-pipeline-stage",
+    ),
+    (
+        "--decoder-first-pipeline-num-layers 3 --num-virtual-stages-per-pipeline-rank 2 "
+        "--pipeline-model-parallel-size 2 --num-layers 6 --global-batch-size 8 --micro-batch-size 2".split(),
+        "--decoder-first-pipeline-num-layers",
+    ),
+    (["--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout"),
 ]
 
 

@@ -16,6 +16,7 @@ from megatron_lite.core.pipeline_parallel.interleaved import (
 )
 from megatron_lite.core.transformer.transformer_block import get_num_layers_to_build
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
+from megatron_lite.core.transformer.transformer_layer import get_transformer_layer_offset
 
 ITERS = 8
 EIGHT_LAYERS = [*SMALL_MODEL, "--num-layers", "8", "--seed", "1234"]
@@ -44,7 +45,8 @@ def test_chunk_layer_assignment_is_megatron_s():
         num_layers=16, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2
     )
     # Chunk c of rank r holds layers from (c * pp + r) * 2: rank 1 holds 2-3 and 10-11.
-    assert [get_num_layers_to_build(config, 1, c) for c in (0, 1)] == [(2, 2), (2, 10)]
+    assert [get_num_layers_to_build(config, c, pp_rank=1) for c in (0, 1)] == [2, 2]
+    assert [get_transformer_layer_offset(config, c, pp_rank=1) for c in (0, 1)] == [2, 10]
 
 
 def _losses(tmp_path, args) -> dict[int, float]:

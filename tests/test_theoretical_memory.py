@@ -43,6 +43,18 @@ LAYOUTS = {
     ),  # fmt: skip
     "tp1-pp4-vp2": (1, 4, 2, []),
     "tp1-pp4-vp2-full": (1, 4, 2, FULL),
+    "tp1-pp4-uneven-3-1": (
+        1,
+        4,
+        1,
+        "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 1".split(),
+    ),
+    "tp1-pp4-vp2-accounted": (
+        1,
+        4,
+        2,
+        "--num-layers 6 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split".split(),
+    ),
 }
 
 

@@ -3,6 +3,7 @@ the other config checks: each failure is one ConfigError naming the flag and the
 
 from __future__ import annotations
 
+from megatron_lite.core.transformer.pipeline_layer_split import layers_per_pipeline_stage
 from megatron_lite.training.config_errors import ConfigError
 
 RECOMPUTE_MODULES = ("core_attn", "mlp")
@@ -11,7 +12,6 @@ RECOMPUTE_MODULES = ("core_attn", "mlp")
 def check_activation_levers(cfg) -> None:
     m = cfg.model
     granularity, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
-    layers_per_stage = m.num_layers // m.pipeline_model_parallel_size
     if granularity not in (None, "full", "selective"):
         raise ConfigError("--recompute-granularity", f"must be full or selective, got {granularity!r}")
     if method is not None and granularity != "full":
@@ -26,10 +26,12 @@ def check_activation_levers(cfg) -> None:
             )
         if n is None:
             raise ConfigError("--recompute-num-layers", "is required with --recompute-granularity full")
+        # Checked after the layer split (check_divisibility): every stage's count is known here.
+        layers_per_stage = max(layers_per_pipeline_stage(m))
         if not 1 <= n <= layers_per_stage:
             raise ConfigError(
                 "--recompute-num-layers",
-                f"{n} must be between 1 and the {layers_per_stage} layers of each pipeline stage",
+                f"{n} must be between 1 and the {layers_per_stage} layers of the largest pipeline stage",
             )
     modules = list(m.recompute_modules or ["core_attn"])
     unknown = [name for name in modules if name not in RECOMPUTE_MODULES]

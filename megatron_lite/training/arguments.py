@@ -140,6 +140,41 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "Layers per model chunk (sets --virtual-pipeline-model-parallel-size).",
     ),
     (
+        "--num-virtual-stages-per-pipeline-rank",
+        "model",
+        None,
+        int,
+        "Model chunks per pipeline rank (sets --virtual-pipeline-model-parallel-size).",
+    ),
+    (
+        "--decoder-first-pipeline-num-layers",
+        "model",
+        "num_layers_in_first_pipeline_stage",
+        int,
+        "Transformer layers on the first pipeline stage (default: an even split).",
+    ),
+    (
+        "--decoder-last-pipeline-num-layers",
+        "model",
+        "num_layers_in_last_pipeline_stage",
+        int,
+        "Transformer layers on the last pipeline stage (default: an even split).",
+    ),
+    (
+        "--account-for-embedding-in-pipeline-split",
+        "model",
+        "account_for_embedding_in_pipeline_split",
+        "store_true",
+        "Count the embedding as a layer when splitting the layers over stages.",
+    ),
+    (
+        "--account-for-loss-in-pipeline-split",
+        "model",
+        "account_for_loss_in_pipeline_split",
+        "store_true",
+        "Count the loss as a layer when splitting the layers over stages.",
+    ),
+    (
         "--defer-embedding-wgrad-compute",
         "model",
         "defer_embedding_wgrad_compute",
@@ -294,6 +329,7 @@ PROFILING_FLAGS: list[tuple[str, str, object, str]] = [
 UNSUPPORTED_FLAGS: dict[str, object] = {
     "--expert-model-parallel-size": int,
     "--num-experts": int,
+    "--pipeline-model-parallel-layout": str,
     "--use-flash-attn": "store_true",
 }
 
@@ -436,22 +472,9 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
 
 def _architecture_from_args(args: argparse.Namespace, m) -> None:
     """The flags that set more than one model field: activations, grouped-query attention,
-    --recompute-activations (upstream's alias of --recompute-granularity selective) and
-    --num-layers-per-virtual-pipeline-stage (which sets the virtual pipeline size, as upstream)."""
-    per_chunk = args.num_layers_per_virtual_pipeline_stage
-    if per_chunk is not None:
-        if args.virtual_pipeline_model_parallel_size is not None:
-            raise ConfigError(
-                "--num-layers-per-virtual-pipeline-stage",
-                "and --virtual-pipeline-model-parallel-size set the same thing; give one",
-            )
-        pp = m.pipeline_model_parallel_size
-        if per_chunk <= 0 or m.num_layers % (pp * per_chunk):
-            raise ConfigError(
-                "--num-layers-per-virtual-pipeline-stage",
-                f"{per_chunk} does not divide the {m.num_layers} layers into chunks of every one of {pp} stages",
-            )
-        m.virtual_pipeline_model_parallel_size = m.num_layers // (pp * per_chunk)
+    --recompute-activations (upstream's alias of --recompute-granularity selective) and the
+    virtual pipeline size's aliases."""
+    _virtual_pipeline_from_args(args, m)
     if args.recompute_activations:
         if m.recompute_granularity not in (None, "selective"):
             raise ConfigError("--recompute-activations", "means --recompute-granularity selective; give one")
@@ -466,6 +489,44 @@ def _architecture_from_args(args: argparse.Namespace, m) -> None:
         raise ConfigError("--group-query-attention", "needs --num-query-groups G")
     if args.num_query_groups is not None and not args.group_query_attention:
         raise ConfigError("--num-query-groups", "needs --group-query-attention (upstream ignores it without)")
+
+
+def _virtual_pipeline_from_args(args: argparse.Namespace, m) -> None:
+    """--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank set the
+    virtual pipeline size, as upstream: the first counts the embedding and loss as layers when they
+    are accounted for in the split, and cannot describe an uneven first or last stage."""
+    per_chunk, chunks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    given = [
+        flag
+        for flag, value in (
+            ("--virtual-pipeline-model-parallel-size", args.virtual_pipeline_model_parallel_size),
+            ("--num-layers-per-virtual-pipeline-stage", per_chunk),
+            ("--num-virtual-stages-per-pipeline-rank", chunks),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ConfigError(given[1], f"and {given[0]} set the same thing; give one")
+    if chunks is not None:
+        m.virtual_pipeline_model_parallel_size = chunks
+    if per_chunk is None:
+        return
+    flag = "--num-layers-per-virtual-pipeline-stage"
+    if m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None:
+        raise ConfigError(
+            flag, "cannot describe an uneven first or last stage; use --num-virtual-stages-per-pipeline-rank"
+        )
+    pp = m.pipeline_model_parallel_size
+    slots = (
+        m.num_layers
+        + int(m.account_for_embedding_in_pipeline_split)
+        + int(m.account_for_loss_in_pipeline_split)
+    )
+    if per_chunk <= 0 or slots % (pp * per_chunk):
+        raise ConfigError(
+            flag, f"{per_chunk} does not divide the {slots} layers into chunks of every one of {pp} stages"
+        )
+    m.virtual_pipeline_model_parallel_size = slots // (pp * per_chunk)
 
 
 def _profiling_from_args(args: argparse.Namespace) -> ProfilingConfig | None:

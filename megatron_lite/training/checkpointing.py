@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_lite.core import parallel_state
 from megatron_lite.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_lite.training.checkpoint_compat import checkpoint_model_error
 from megatron_lite.training.distrib_optim_checkpointing import (
     get_distributed_optimizer_checkpoint_name,
     load_distributed_optimizer,
@@ -257,54 +258,6 @@ def _load_shard(root: str, iteration: int) -> dict:
     return payload
 
 
-# Model fields that make a checkpoint's weights another architecture: (field, flag, default of a
-# checkpoint saved before the field existed).
-_ARCHITECTURE = (
-    ("num_layers", "--num-layers", None),
-    ("hidden_size", "--hidden-size", None),
-    ("num_attention_heads", "--num-attention-heads", None),
-    ("num_query_groups", "--num-query-groups", None),
-    ("kv_channels", "--kv-channels", None),
-    ("ffn_hidden_size", "--ffn-hidden-size", None),
-    ("normalization", "--normalization", "LayerNorm"),
-    ("gated_linear_unit", "--swiglu", False),
-    ("activation_func", "activation", "gelu"),
-    ("position_embedding_type", "--position-embedding-type", "learned_absolute"),
-    ("rotary_percent", "--rotary-percent", 1.0),
-    ("rotary_base", "--rotary-base", 10000),
-    ("rotary_interleaved", "--rotary-interleaved", False),
-    ("add_bias_linear", "--disable-bias-linear", True),
-    ("add_qkv_bias", "--add-qkv-bias", False),
-    ("share_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", True),
-    ("padded_vocab_size", "--vocab-size / --make-vocab-size-divisible-by", None),
-)
-
-
-def _architecture_value(model, name: str, default=None):
-    value = model.get(name, default) if isinstance(model, dict) else getattr(model, name, default)
-    if name == "num_query_groups" and value is None:
-        value = _architecture_value(model, "num_attention_heads")  # None means one group per head
-    if name == "padded_vocab_size" and isinstance(model, dict):
-        multiple = model.get("make_vocab_size_divisible_by", 128) * model.get("tensor_model_parallel_size", 1)
-        value = -(-model.get("vocab_size", 0) // multiple) * multiple
-    return getattr(value, "__name__", value) if callable(value) else value
-
-
-def _architecture_error(root: str, saved_config: dict, model) -> str | None:
-    """One line naming the first architecture field where the checkpoint and this run differ."""
-    saved = (saved_config or {}).get("model", {})
-    if not saved:
-        return None  # a checkpoint without a stored config: the weights' shapes are checked on load
-    for name, flag, default in _ARCHITECTURE:
-        before, now = _architecture_value(saved, name, default), _architecture_value(model, name, default)
-        if before != now:
-            return (
-                f"--load {root}: the checkpoint's model has {name}={before!r} but {flag} gives "
-                f"{name}={now!r}; use the saved architecture's flags"
-            )
-    return None
-
-
 def _my_optimizer_shard(root: str, iteration: int) -> str:
     return get_distributed_optimizer_checkpoint_name(
         get_checkpoint_name(
@@ -335,7 +288,7 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
         if iteration is not None:
             _check_layout(cfg.load, iteration)
             payload = _load_shard(cfg.load, iteration)
-            error = _architecture_error(cfg.load, payload.get("config"), state.cfg.model)
+            error = checkpoint_model_error(cfg.load, payload.get("config"), state.cfg.model)
             if error is None and cfg.load_optim and not cfg.finetune:
                 error = optimizer_format_error(
                     cfg.load, iteration, payload, optimizer, _my_optimizer_shard(cfg.load, iteration)

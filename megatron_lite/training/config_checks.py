@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from megatron_lite.core.pipeline_parallel.interleaved import check_interleaving
+from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
 from megatron_lite.training.config_errors import ConfigError
 from megatron_lite.training.utils.cpu_features import has_bf16_matrix_units
 
@@ -217,12 +218,10 @@ def check_ranges(cfg) -> None:
 def check_divisibility(cfg) -> None:
     m, t = cfg.model, cfg.train
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    if m.num_layers % pp:
-        raise ConfigError(
-            "--num-layers",
-            f"{m.num_layers} layers do not split evenly over --pipeline-model-parallel-size {pp}; "
-            f"use a multiple of {pp}",
-        )
+    vp = m.virtual_pipeline_model_parallel_size or 1
+    if vp < 1:
+        raise ConfigError("--virtual-pipeline-model-parallel-size", f"must be a positive integer, got {vp}")
+    _check_layer_split(m, pp, vp)
     if m.num_attention_heads % tp:
         raise ConfigError(
             "--num-attention-heads",
@@ -238,11 +237,8 @@ def check_divisibility(cfg) -> None:
         raise ConfigError(
             "--ffn-hidden-size", f"{m.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}"
         )
-    vp = m.virtual_pipeline_model_parallel_size or 1
-    if vp < 1:
-        raise ConfigError("--virtual-pipeline-model-parallel-size", f"must be a positive integer, got {vp}")
     if vp > 1:
-        _check_interleaving(cfg, pp, vp)
+        _check_interleaving(cfg, pp)
     per_step = t.micro_batch_size * cfg.data_parallel_size
     if t.global_batch_size % per_step:
         raise ConfigError(
@@ -252,15 +248,46 @@ def check_divisibility(cfg) -> None:
         )
 
 
-def _check_interleaving(cfg, pp: int, vp: int) -> None:
-    m = cfg.model
-    flag = "--virtual-pipeline-model-parallel-size"
-    if pp == 1:
-        raise ConfigError(flag, "needs --pipeline-model-parallel-size > 1")
-    if m.num_layers % (pp * vp):
+def _check_layer_split(m, pp: int, vp: int) -> None:
+    """The layers split over stages and their chunks by Megatron's rules (pipeline_layer_split)."""
+    first, last = m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage
+    if first is not None or last is not None:
+        flag = (
+            "--decoder-first-pipeline-num-layers"
+            if first is not None
+            else "--decoder-last-pipeline-num-layers"
+        )
+    elif m.account_for_embedding_in_pipeline_split or m.account_for_loss_in_pipeline_split:
+        embedding = m.account_for_embedding_in_pipeline_split
+        flag = (
+            "--account-for-embedding-in-pipeline-split"
+            if embedding
+            else "--account-for-loss-in-pipeline-split"
+        )
+    elif m.num_layers % pp:
         raise ConfigError(
-            flag,
+            "--num-layers",
+            f"{m.num_layers} layers do not split evenly over --pipeline-model-parallel-size {pp}; "
+            f"use a multiple of {pp}",
+        )
+    elif m.num_layers % (pp * vp):
+        raise ConfigError(
+            "--virtual-pipeline-model-parallel-size",
             f"{vp} chunks on each of {pp} stages do not split {m.num_layers} layers evenly; use a multiple of {pp * vp}",
+        )
+    else:
+        return
+    try:
+        pipeline_layer_counts(m)
+    except ValueError as err:
+        raise ConfigError(flag, str(err)) from None
+
+
+def _check_interleaving(cfg, pp: int) -> None:
+    m = cfg.model
+    if pp == 1:
+        raise ConfigError(
+            "--virtual-pipeline-model-parallel-size", "needs --pipeline-model-parallel-size > 1"
         )
     group = m.microbatch_group_size_per_vp_stage or pp
     microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.data_parallel_size)

@@ -19,6 +19,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
 from megatron_lite.training.config_errors import ConfigError
 
 RESERVE_FRACTION = 0.10
@@ -71,7 +72,9 @@ def candidate_changes(config) -> list[Change]:
         else [None, Change(("--use-distributed-optimizer",), 0.01, "optimizer state sharded over dp")]
     )
     recompute = [None] + (
-        [] if m.recompute_granularity == "full" else _recompute_changes(m.num_layers // (pp * vp))
+        []
+        if m.recompute_granularity == "full"
+        else _recompute_changes(max(map(max, pipeline_layer_counts(m))))
     )
     # The last stage's deferred output-layer wgrad buffers: keep one microbatch's, not all of them.
     deferral = [None]

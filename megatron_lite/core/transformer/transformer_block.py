@@ -5,22 +5,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_lite.core import parallel_state
 from megatron_lite.core.tensor_parallel.random import checkpoint
+from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
 from megatron_lite.core.transformer.torch_norm import WrappedTorchNorm
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-from megatron_lite.core.transformer.transformer_layer import TransformerLayer
+from megatron_lite.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron_lite.core.utils import seeded_init
 
 
 def get_num_layers_to_build(
-    config: TransformerConfig, pp_rank: int, vp_stage: int | None = None
-) -> tuple[int, int]:
-    """(number of layers in chunk ``vp_stage`` of stage ``pp_rank``, global index of its first layer).
-    With ``vp`` virtual stages, chunk ``c`` of rank ``r`` holds the ``(c pp + r)``-th run of
-    ``layers / (pp vp)`` layers, Megatron's assignment."""
-    vp = config.virtual_pipeline_model_parallel_size or 1
-    per_chunk = config.num_layers // (config.pipeline_model_parallel_size * vp)
-    return per_chunk, ((vp_stage or 0) * config.pipeline_model_parallel_size + pp_rank) * per_chunk
+    config: TransformerConfig, vp_stage: int | None = None, pp_rank: int | None = None
+) -> int:
+    """Transformer layers in model chunk ``vp_stage`` of pipeline stage ``pp_rank`` (this process's
+    stage when None), by Megatron's split (``pipeline_layer_split``)."""
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    return pipeline_layer_counts(config)[vp_stage or 0][pp_rank]
 
 
 class TransformerBlock(nn.Module):
@@ -37,7 +38,8 @@ class TransformerBlock(nn.Module):
     ):
         super().__init__()
         self.config = config
-        num_layers, offset = get_num_layers_to_build(config, pp_rank, vp_stage)
+        num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
         init, scaled = config.init_method, config.output_layer_init_method
         layers = []
         for i in range(offset, offset + num_layers):

@@ -43,6 +43,14 @@ class TransformerConfig(ModelParallelConfig):
 
     num_layers: int = 8
     """Number of transformer layers across all pipeline stages."""
+    num_layers_in_first_pipeline_stage: int | None = None
+    """Transformer layers on the first pipeline stage; None means an even split."""
+    num_layers_in_last_pipeline_stage: int | None = None
+    """Transformer layers on the last pipeline stage; None means an even split."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one layer when splitting layers over pipeline stages."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer and loss as one layer when splitting layers over pipeline stages."""
     hidden_size: int = 256
     """Transformer hidden size."""
     num_attention_heads: int = 8

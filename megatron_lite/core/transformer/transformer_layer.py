@@ -8,11 +8,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.core import parallel_state
 from megatron_lite.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
 from megatron_lite.core.transformer.attention import SelfAttention
 from megatron_lite.core.transformer.mlp import MLP
+from megatron_lite.core.transformer.pipeline_layer_split import chunk_layer_offset
 from megatron_lite.core.transformer.torch_norm import WrappedTorchNorm
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
+
+
+def get_transformer_layer_offset(
+    config: TransformerConfig, vp_stage: int | None = None, pp_rank: int | None = None
+) -> int:
+    """Global index of the first layer of model chunk ``vp_stage`` of pipeline stage ``pp_rank``
+    (this process's stage when None)."""
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    return chunk_layer_offset(config, vp_stage or 0, pp_rank)
 
 
 class TransformerLayer(nn.Module):

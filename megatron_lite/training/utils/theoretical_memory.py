@@ -142,7 +142,7 @@ def predict_memory_per_stage(config, dp_rank: int = 0) -> list[StageMemoryPredic
         chunks = []
         for vp_stage in range(vp):
             pre, post = chunk_bounds(m, rank, vp_stage)
-            layers, _ = get_num_layers_to_build(m, rank, vp_stage)
+            layers = get_num_layers_to_build(m, vp_stage, rank)
             chunks.append(chunk_activations(x, layers, pre, post))
         events = schedule_events(config.num_microbatches, vp, pp, rank, group)
         peak, in_flight = schedule_peak(events, chunks)

@@ -8,6 +8,8 @@ row-parallel weights are split over tensor-parallel ranks; norms and row-paralle
 
 from __future__ import annotations
 
+from megatron_lite.core.transformer.pipeline_layer_split import layers_per_pipeline_stage
+
 
 def _layer_parameters_per_rank(m) -> float:
     h, ffn, tp = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size, m.tensor_model_parallel_size
@@ -26,7 +28,7 @@ def num_parameters_per_rank(m, pp_rank: int) -> float:
     pp, tp, h = m.pipeline_model_parallel_size, m.tensor_model_parallel_size, m.hidden_size
     vocab = m.padded_vocab_size if hasattr(m, "padded_vocab_size") else m.vocab_size
     first, last = pp_rank == 0, pp_rank == pp - 1
-    params = (m.num_layers // pp) * _layer_parameters_per_rank(m)
+    params = layers_per_pipeline_stage(m)[pp_rank] * _layer_parameters_per_rank(m)
     if first:
         params += vocab * h / tp
         if getattr(m, "position_embedding_type", "learned_absolute") == "learned_absolute":
@@ -45,7 +47,7 @@ def report_theoretical_memory(config, num_microbatches: int | None = None, verbo
     optimizer's share by the data-parallel size: 8 + 8 / dp, or upstream's 6 + 12 / dp with bf16. An
     estimate, not a measurement; activation memory is not estimated here."""
     m = config.model
-    params = max(num_parameters_per_rank(m, rank) for rank in {0, m.pipeline_model_parallel_size - 1})
+    params = max(num_parameters_per_rank(m, rank) for rank in range(m.pipeline_model_parallel_size))
     bf16 = getattr(m, "bf16", False)
     bytes_per_param = 18 if bf16 else 16
     if config.optimizer.use_distributed_optimizer:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lite.core.transformer.transformer_block import get_num_layers_to_build
+from megatron_lite.core.transformer.transformer_layer import get_transformer_layer_offset
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ def chunk_parameters(m, pp_rank: int, vp_stage: int) -> list[ParamSpec]:
         if m.position_embedding_type == "learned_absolute":
             rows = m.max_position_embeddings or m.seq_length
             specs.append(ParamSpec("embedding.position_embeddings.weight", rows * h, 2))
-    num_layers, offset = get_num_layers_to_build(m, pp_rank, vp_stage)
+    num_layers = get_num_layers_to_build(m, vp_stage, pp_rank)
+    offset = get_transformer_layer_offset(m, vp_stage, pp_rank)
     for i in range(offset, offset + num_layers):
         specs += _layer(f"decoder.layers.{i}", m)
     if post:
