@@ -4,8 +4,9 @@
     python bench/activation_levers.py [--iters 3]
 
 Runs `pretrain.py` (pp = 4, 8 layers, 16 microbatches' global batch, CPU) with no lever, full/uniform
-recompute (N = 1), full/block (N = 1) and selective recompute; and at tp = 2, pp = 4 (8 ranks) with and
-without --sequence-parallel. Each stage's peak activation bytes (saved for backward, measured by the
+recompute (N = 1), full/block (N = 1) and selective recompute; at tp = 2, pp = 4 (8 ranks) with and
+without --sequence-parallel; and with two layers moved from the first stage to the last
+(--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3). Each stage's peak activation bytes (saved for backward, measured by the
 tracker) are read back from the TensorBoard events `memory/pp-stage-<i>/mem-max-activation-gigabytes`,
 with the ratio to the run without the lever, and the elapsed time per iteration.
 """
@@ -36,6 +37,10 @@ RECOMPUTE = {
 }
 SEQUENCE_PARALLEL = {"tp=2": ["--tensor-model-parallel-size", "2"]}
 SEQUENCE_PARALLEL["tp=2 + sequence parallel"] = [*SEQUENCE_PARALLEL["tp=2"], "--sequence-parallel"]
+SPLIT = {
+    "even, 2-2-2-2 layers": [],
+    "uneven, 1-2-2-3 layers": "--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3".split(),
+}
 ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
@@ -73,6 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     table("Recomputation, pp=4", RECOMPUTE, args.iters)
     table("Sequence parallelism, tp=2 pp=4", SEQUENCE_PARALLEL, args.iters)
+    table("Layer split, pp=4", SPLIT, args.iters)
 
 
 if __name__ == "__main__":

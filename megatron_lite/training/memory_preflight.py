@@ -52,6 +52,30 @@ def _recompute_changes(layers_per_chunk: int) -> list[Change]:
     return changes
 
 
+def _split_changes(m) -> list[Change]:
+    """Move k layers from the first stage (the most microbatches in flight, and the embedding) to the
+    last (the fewest): its weights, gradients, optimizer state and activations leave stage 0. The last
+    stage then does k more layers of work per microbatch, and 1F1B runs at its slowest stage's pace."""
+    pp = m.pipeline_model_parallel_size
+    custom = (
+        m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
+    )
+    accounted = m.account_for_embedding_in_pipeline_split or m.account_for_loss_in_pipeline_split
+    if pp == 1 or custom or accounted or m.num_layers % pp:
+        return []
+    n = m.num_layers // pp
+    changes = []
+    for k in range(1, n):
+        flags = (
+            "--decoder-first-pipeline-num-layers",
+            str(n - k),
+            "--decoder-last-pipeline-num-layers",
+            str(n + k),
+        )
+        changes.append(Change(flags, k / n, f"{k} layer(s) moved from the first stage to the last"))
+    return changes
+
+
 def candidate_changes(config) -> list[Change]:
     """Every combination of the levers this layout can still pull, cheapest first."""
     m = config.model
@@ -92,8 +116,11 @@ def candidate_changes(config) -> list[Change]:
         for k in (2, 4)
         if m.num_layers % (pp * k * vp) == 0
     ]
+    # Deeper pipelines split evenly: moving layers is a lever of this depth only.
+    split = [(None, None)] + [(c, None) for c in _split_changes(m)] + [(None, c) for c in deeper[1:]]
     combos = []
-    for parts in itertools.product(deferral, sp, distopt, recompute, deeper):
+    for parts in itertools.product(deferral, sp, distopt, recompute, split):
+        parts = [*parts[:-1], *parts[-1]]
         chosen = [c for c in parts if c is not None]
         if chosen:
             flags = tuple(f for c in chosen for f in c.flags)
