@@ -3,7 +3,8 @@
 ``measure`` (on every worker) times, round by round in one world: ours at pp 4, the peer's
 Schedule1F1B at pp 4, our single process (pp 1, all cores) and the same process on one thread (half
 of it is the two-core ideal), ours with --defer-embedding-wgrad-compute, ours and
-ScheduleInterleaved1F1B with vp 2; then ours with bf16 against fp32 (a quarter of the rounds: bf16 can
+ScheduleInterleaved1F1B with vp 2, ours and Schedule1F1B on a 3-2-2-1 layer split (the last stage
+also runs the output layer), and ours on that split with --defer-embedding-wgrad-compute; then ours with bf16 against fp32 (a quarter of the rounds: bf16 can
 be many times slower); then the scaling grid (pp x microbatches). ``report``
 prints them (rank 0's clock: it starts every pipeline and is the last to finish its backward).
 """
@@ -23,7 +24,8 @@ SCALING_PP = (1, 2, 4)
 SCALING_MICROBATCHES = (4, 8, 16, 32)
 HEADLINE_MICROBATCHES = 8
 VIRTUAL = 2  # the interleaved contenders' model chunks per rank
-OURS, DEFER, PEER, SINGLE, ONE_THREAD, BF16, OURS_VP, PEER_VP = (
+SPLIT = (3, 1)  # the uneven contenders' first and last stages' layers: 3-2-2-1
+OURS, DEFER, PEER, SINGLE, ONE_THREAD, BF16, OURS_VP, PEER_VP, OURS_SPLIT, PEER_SPLIT, SPLIT_DEFER = (
     "megatron_lite pp 4",
     "megatron_lite pp 4 --defer-embedding-wgrad-compute",
     "Schedule1F1B pp 4",
@@ -32,6 +34,9 @@ OURS, DEFER, PEER, SINGLE, ONE_THREAD, BF16, OURS_VP, PEER_VP = (
     "megatron_lite pp 4 --bf16",
     "megatron_lite pp 4 vp 2",
     "ScheduleInterleaved1F1B pp 4 vp 2",
+    "megatron_lite pp 4, 3-2-2-1 layers",
+    "Schedule1F1B pp 4, 3-2-2-1 layers",
+    "megatron_lite pp 4, 3-2-2-1 layers --defer-embedding-wgrad-compute",
 )
 
 
@@ -81,6 +86,9 @@ def measure(make_provider, mbs: int, rounds: int, scaling_rounds: int, skip_scal
         ONE_THREAD: (1, 1, single),
         OURS_VP: (PIPELINE, 1, ours(make_provider, groups, PIPELINE, [m], batches, mbs, vp=VIRTUAL)[m]),
         PEER_VP: (PIPELINE, 1, peer(make_provider, groups, PIPELINE, batches, m, vp=VIRTUAL)),
+        OURS_SPLIT: (PIPELINE, 1, ours(lambda pp, vp=1: make_provider(pp, vp=vp, split=SPLIT), groups, PIPELINE, [m], batches, mbs)[m]),
+        PEER_SPLIT: (PIPELINE, 1, peer(lambda pp, vp=1: make_provider(pp, vp=vp, split=SPLIT), groups, PIPELINE, batches, m)),
+        SPLIT_DEFER: (PIPELINE, 1, ours(lambda pp, vp=1: make_provider(pp, vp=vp, split=SPLIT, defer=True), groups, PIPELINE, [m], batches, mbs)[m]),
     }  # fmt: skip
     times, losses = _alternate(headline, rounds)
     # bf16 against fp32 on their own, fewer rounds: without bf16 units a bf16 step takes many fp32 ones.
@@ -133,14 +141,17 @@ def _check_losses(loss: dict, rtol: float) -> None:
     """Ours, the peer and the single process start from equal weights and data: equal work only if
     their first-iteration losses agree."""
     reference = loss[OURS]
-    for name in (DEFER, PEER, SINGLE, OURS_VP, PEER_VP):
+    for name in (DEFER, PEER, SINGLE, OURS_VP, PEER_VP, OURS_SPLIT, PEER_SPLIT, SPLIT_DEFER):
         if not abs(loss[name] - reference) <= rtol * abs(reference):
             raise SystemExit(
                 f"first-iteration losses differ: {OURS} {reference:.7f}, {name} {loss[name]:.7f}"
             )
     print(
         "first-iteration loss: "
-        + ", ".join(f"{n} {loss[n]:.7f}" for n in (OURS, DEFER, PEER, SINGLE, OURS_VP, PEER_VP, BF16))
+        + ", ".join(
+            f"{n} {loss[n]:.7f}"
+            for n in (OURS, DEFER, PEER, SINGLE, OURS_VP, PEER_VP, OURS_SPLIT, PEER_SPLIT, SPLIT_DEFER, BF16)
+        )
         + f" (fp32 ones checked equal within {rtol:g})"
     )
 
@@ -166,6 +177,9 @@ def report(results: list, rtol: float) -> None:
         (f"two-core ideal ({ONE_THREAD}: {ms[ONE_THREAD]:.1f} ms, halved)", ideal, fastest[ONE_THREAD] / 2),
         (f"{OURS_VP} (interleaved 1F1B)", ms[OURS_VP], fastest[OURS_VP]),
         (f"{PEER_VP} (torch.distributed.pipelining)", ms[PEER_VP], fastest[PEER_VP]),
+        (OURS_SPLIT, ms[OURS_SPLIT], fastest[OURS_SPLIT]),
+        (f"{PEER_SPLIT} (torch.distributed.pipelining)", ms[PEER_SPLIT], fastest[PEER_SPLIT]),
+        (SPLIT_DEFER, ms[SPLIT_DEFER], fastest[SPLIT_DEFER]),
     ]
     # The fastest round beside the median: other load on the machine only ever slows a round down.
     print(f"{'contender':<62}{'ms/iteration':>14}{'fastest round':>15}")
@@ -190,6 +204,18 @@ def report(results: list, rtol: float) -> None:
         f"interleaved, vp {VIRTUAL}: peer / ours {ms[PEER_VP] / ms[OURS_VP]:.3f}, single-process / ours"
         f" {ms[SINGLE] / ms[OURS_VP]:.3f}, ideal / ours {ideal / ms[OURS_VP]:.3f} (its bubble is 1 / vp of"
         " plain 1F1B's)"
+    )
+    print(
+        f"3-2-2-1 layers (--decoder-first-pipeline-num-layers {SPLIT[0]} --decoder-last-pipeline-num-layers"
+        f" {SPLIT[1]}, the same split for both): peer / ours {ms[PEER_SPLIT] / ms[OURS_SPLIT]:.3f},"
+        f" single-process / ours {ms[SINGLE] / ms[OURS_SPLIT]:.3f}; {ms[OURS] / ms[OURS_SPLIT]:.3f}x the even"
+        f" split's speed ({_paired(times, OURS, OURS_SPLIT)}), the peer's {ms[PEER] / ms[PEER_SPLIT]:.3f}x"
+    )
+    print(
+        f"3-2-2-1 layers and --defer-embedding-wgrad-compute: peer (same split) / ours"
+        f" {ms[PEER_SPLIT] / ms[SPLIT_DEFER]:.3f} ({_paired(times, PEER_SPLIT, SPLIT_DEFER)}),"
+        f" single-process / ours {ms[SINGLE] / ms[SPLIT_DEFER]:.3f} ({_paired(times, SINGLE, SPLIT_DEFER)}),"
+        f" ideal / ours {ideal / ms[SPLIT_DEFER]:.3f}"
     )
     kernels = cpu_matmul_kernels()
     bf16 = {name: _median_ms(v) for name, v in results[0][1]["bf16"].items()}

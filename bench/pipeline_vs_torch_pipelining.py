@@ -22,7 +22,10 @@ Then (unless ``--skip-speed``, see bench/pipeline_speed.py) whole training steps
 grad-norm clip + AdamW, alternated round by round in the same world: ours at pp 4, the peer's
 Schedule1F1B at pp 4 with torch's AdamW, our single process on all cores (no pipeline, the 8
 microbatches as gradient accumulation) and on one thread (halved: the two-core ideal), ours with
-``--defer-embedding-wgrad-compute``, ours and ScheduleInterleaved1F1B with vp 2, with the ratios (the
+``--defer-embedding-wgrad-compute``, ours and ScheduleInterleaved1F1B with vp 2, ours and
+Schedule1F1B with 3-2-2-1 layers per stage (``--decoder-first-pipeline-num-layers 3
+--decoder-last-pipeline-num-layers 1``: the last stage also runs the output layer), ours on that split
+with ``--defer-embedding-wgrad-compute``, with the ratios (the
 order rotated each round; each ratio also round by round); ours with ``--bf16`` against fp32 (in a
 quarter of the rounds) and which CPU matmul kernel bf16 runs; and (unless
 ``--skip-scaling``) ms/iteration for pp in {1, 2, 4} x microbatches in {4, 8, 16, 32} beside the ideal
@@ -66,10 +69,14 @@ OURS, PEER = "megatron_lite", "torch.pipelining"
 LOSS_RTOL = 1e-5
 
 
-def _provider(vp: int, size: dict, pp: int = PP, bf16: bool = False, defer: bool = False):
+def _provider(vp: int, size: dict, pp: int = PP, bf16: bool = False, defer: bool = False, split=None):
     """The benchmarked GPT over ``pp`` stages, ``size`` giving hidden_size, seq_length and vocab_size;
-    ``defer``: --defer-embedding-wgrad-compute."""
+    ``defer``: --defer-embedding-wgrad-compute; ``split``: the first and last stages' layers
+    (--decoder-first/last-pipeline-num-layers), None for an even split."""
+    first, last = split or (None, None)
     return GPTModelProvider(
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
         num_layers=LAYERS,
         num_attention_heads=HEADS,
         max_position_embeddings=size["seq_length"],
@@ -168,8 +175,8 @@ def worker(rank, port, args, schedules, size, queue):
     results = {s: _compare(VIRTUAL_STAGES[s], rank, pgc, size, args.rounds) for s in schedules}
     if not args.skip_speed:
 
-        def make(pp, bf16=False, vp=1, defer=False):  # the benchmarked GPT over pp stages, vp chunks per rank
-            return _provider(vp, size, pp=pp, bf16=bf16, defer=defer)
+        def make(pp, bf16=False, vp=1, defer=False, split=None):  # the benchmarked GPT, vp chunks per rank
+            return _provider(vp, size, pp=pp, bf16=bf16, defer=defer, split=split)
 
         results["speed"] = pipeline_speed.measure(
             make, MBS, args.rounds, args.scaling_rounds, args.skip_scaling
