@@ -146,6 +146,14 @@ BAD_INPUT = [
         "--decoder-first-pipeline-num-layers",
     ),
     (["--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout"),
+    (
+        "--num-virtual-stages-per-pipeline-rank 0 --pipeline-model-parallel-size 2".split(),
+        "--num-virtual-stages-per-pipeline-rank",
+    ),
+    (
+        "--virtual-pipeline-model-parallel-size 0 --pipeline-model-parallel-size 2".split(),
+        "--virtual-pipeline-model-parallel-size",
+    ),
 ]
 
 

@@ -137,7 +137,8 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "model",
         None,
         int,
-        "Layers per model chunk (sets --virtual-pipeline-model-parallel-size).",
+        "Layers per model chunk, the embedding and loss counted when accounted for in the split "
+        "(sets --virtual-pipeline-model-parallel-size).",
     ),
     (
         "--num-virtual-stages-per-pipeline-rank",
@@ -508,6 +509,10 @@ def _virtual_pipeline_from_args(args: argparse.Namespace, m) -> None:
     if len(given) > 1:
         raise ConfigError(given[1], f"and {given[0]} set the same thing; give one")
     if chunks is not None:
+        if chunks < 1:
+            raise ConfigError(
+                "--num-virtual-stages-per-pipeline-rank", f"must be a positive integer, got {chunks}"
+            )
         m.virtual_pipeline_model_parallel_size = chunks
     if per_chunk is None:
         return

@@ -73,6 +73,10 @@ def _split_error(root: str, saved_config: dict, model) -> str | None:
     if not saved:
         return None
     before = types.SimpleNamespace(**{k: saved.get(k, default) for k, default in _SPLIT_FIELDS.items()})
+    if (before.virtual_pipeline_model_parallel_size or 1) != (
+        model.virtual_pipeline_model_parallel_size or 1
+    ):
+        return None  # another number of model chunks: the load names the chunks it misses
     try:
         saved_counts = pipeline_layer_counts(before)
     except ValueError:

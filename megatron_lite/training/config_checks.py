@@ -218,9 +218,12 @@ def check_ranges(cfg) -> None:
 def check_divisibility(cfg) -> None:
     m, t = cfg.model, cfg.train
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    if m.virtual_pipeline_model_parallel_size is not None and m.virtual_pipeline_model_parallel_size < 1:
+        raise ConfigError(
+            "--virtual-pipeline-model-parallel-size",
+            f"must be a positive integer, got {m.virtual_pipeline_model_parallel_size}",
+        )
     vp = m.virtual_pipeline_model_parallel_size or 1
-    if vp < 1:
-        raise ConfigError("--virtual-pipeline-model-parallel-size", f"must be a positive integer, got {vp}")
     _check_layer_split(m, pp, vp)
     if m.num_attention_heads % tp:
         raise ConfigError(

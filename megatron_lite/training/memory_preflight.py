@@ -107,6 +107,11 @@ def candidate_changes(config) -> list[Change]:
         deferral.append(Change(("--wgrad-deferral-limit", "1"), 0.02, why))
     # A deeper pipeline spreads weights and optimizer state over more GPUs: the dearest change.
     world = config.world_size
+    slots = (
+        m.num_layers
+        + int(m.account_for_embedding_in_pipeline_split)
+        + int(m.account_for_loss_in_pipeline_split)
+    )
     deeper = [None] + [
         Change(
             ("--pipeline-model-parallel-size", str(pp * k), "--nproc-per-node", str(world * k)),
@@ -114,9 +119,9 @@ def candidate_changes(config) -> list[Change]:
             f"{k}x the GPUs",
         )
         for k in (2, 4)
-        if m.num_layers % (pp * k * vp) == 0
+        if slots % (pp * k * vp) == 0
     ]
-    # Deeper pipelines split evenly: moving layers is a lever of this depth only.
+    # Moving layers is a lever of this depth only: a deeper pipeline gets the split as given.
     split = [(None, None)] + [(c, None) for c in _split_changes(m)] + [(None, c) for c in deeper[1:]]
     combos = []
     for parts in itertools.product(deferral, sp, distopt, recompute, split):

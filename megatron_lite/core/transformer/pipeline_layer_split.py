@@ -34,8 +34,17 @@ def pipeline_layer_counts(config) -> list[list[int]]:
         if any(n <= 0 for n in fixed.values()):
             raise ValueError("the first and last stages must hold at least one layer each")
         middle_stages, rest = pp - len(fixed), config.num_layers - sum(fixed.values())
+        ends = " + ".join(map(str, fixed.values()))
+        if middle_stages == 0 and rest:
+            raise ValueError(
+                f"the first and last stages' {ends} layers must add up to the {config.num_layers}"
+            )
+        if rest < 0:
+            raise ValueError(
+                f"the first and last stages' {ends} layers exceed the {config.num_layers} layers"
+            )
         # As upstream: middle stages, if any, hold at least one layer each.
-        if rest < 0 or bool(rest) != bool(middle_stages) or (middle_stages and rest % middle_stages):
+        if middle_stages and (rest == 0 or rest % middle_stages):
             raise ValueError(
                 f"the {rest} layers left after the first and last stages do not split evenly over "
                 f"the {middle_stages} other stage(s)"
@@ -45,7 +54,8 @@ def pipeline_layer_counts(config) -> list[list[int]]:
         slots = config.num_layers + int(embedding) + int(loss)
         if slots % pp:
             counted = " and ".join(name for name, on in (("embedding", embedding), ("loss", loss)) if on)
-            accounted = f" (the {counted} counted as layers)" if counted else ""
+            accounted = f" (the {counted} counted as one layer{' each' if embedding and loss else ''})"
+            accounted = accounted if counted else ""
             raise ValueError(f"{slots} layers{accounted} do not split evenly over {pp} stages")
         per_stage = [slots // pp] * pp
     uneven = [n for n in per_stage if n % vp]
@@ -56,8 +66,6 @@ def pipeline_layer_counts(config) -> list[list[int]]:
         counts[0][0] -= 1
     if loss:
         counts[-1][-1] -= 1
-    if any(n < 0 for row in counts for n in row):
-        raise ValueError("the chunk holding the embedding or the loss has no layer slot left for it")
     return counts
 
 

@@ -24,6 +24,8 @@ def get_transformer_layer_offset(
     (this process's stage when None)."""
     if pp_rank is None:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if vp_stage is None and (config.virtual_pipeline_model_parallel_size or 1) > 1:
+        raise ValueError("vp_stage must be given when the virtual pipeline size is set")
     return chunk_layer_offset(config, vp_stage or 0, pp_rank)
 
 
