@@ -20,6 +20,7 @@ from megatron_lite.core.activations import squared_relu
 from megatron_lite.training.config import ConfigContainer, ConfigError
 from megatron_lite.training.config_sections import ProfilingConfig
 from megatron_lite.training.data_arguments import DATA_FLAGS, dataset_from_args, prepare_dataset_section
+from megatron_lite.training.parallel_arguments import PARALLEL_FLAGS, virtual_pipeline_from_args
 
 # (flag, section, field, type, help). type is a callable, "store_true", "store_false" or "+" (a list of
 # strings); a field of
@@ -116,86 +117,7 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "Split recomputed chunks' inputs over TP ranks.",
     ),
     ("--recompute-modules", "model", "recompute_modules", "+", "Selective: core_attn and/or mlp."),
-    ("--tensor-model-parallel-size", "model", "tensor_model_parallel_size", int, "Tensor-parallel size."),
-    (
-        "--pipeline-model-parallel-size",
-        "model",
-        "pipeline_model_parallel_size",
-        int,
-        "Pipeline-parallel size.",
-    ),
-    ("--context-parallel-size", "model", "context_parallel_size", int, "Context-parallel size."),
-    (
-        "--virtual-pipeline-model-parallel-size",
-        "model",
-        "virtual_pipeline_model_parallel_size",
-        int,
-        "Model chunks per pipeline rank (interleaved 1F1B).",
-    ),
-    (
-        "--num-layers-per-virtual-pipeline-stage",
-        "model",
-        None,
-        int,
-        "Layers per model chunk, the embedding and loss counted when accounted for in the split "
-        "(sets --virtual-pipeline-model-parallel-size).",
-    ),
-    (
-        "--num-virtual-stages-per-pipeline-rank",
-        "model",
-        None,
-        int,
-        "Model chunks per pipeline rank (sets --virtual-pipeline-model-parallel-size).",
-    ),
-    (
-        "--decoder-first-pipeline-num-layers",
-        "model",
-        "num_layers_in_first_pipeline_stage",
-        int,
-        "Transformer layers on the first pipeline stage (default: an even split).",
-    ),
-    (
-        "--decoder-last-pipeline-num-layers",
-        "model",
-        "num_layers_in_last_pipeline_stage",
-        int,
-        "Transformer layers on the last pipeline stage (default: an even split).",
-    ),
-    (
-        "--account-for-embedding-in-pipeline-split",
-        "model",
-        "account_for_embedding_in_pipeline_split",
-        "store_true",
-        "Count the embedding as a layer when splitting the layers over stages.",
-    ),
-    (
-        "--account-for-loss-in-pipeline-split",
-        "model",
-        "account_for_loss_in_pipeline_split",
-        "store_true",
-        "Count the loss as a layer when splitting the layers over stages.",
-    ),
-    (
-        "--defer-embedding-wgrad-compute",
-        "model",
-        "defer_embedding_wgrad_compute",
-        "store_true",
-        "Run the last stage's output-layer weight-gradient GEMMs at the pipeline flush.",
-    ),
-    (
-        "--wgrad-deferral-limit",
-        "model",
-        "wgrad_deferral_limit",
-        int,
-        "Microbatches whose output-layer wgrad is deferred (0: all).",
-    ),
-    (
-        "--microbatch-group-size-per-virtual-pipeline-stage",
-        "model",
-        "microbatch_group_size_per_vp_stage",
-        int,
-        "Consecutive microbatches per chunk (default: pp).",
-    ),
+    *PARALLEL_FLAGS,
     # Training
     (
         "--micro-batch-size",
@@ -475,7 +397,7 @@ def _architecture_from_args(args: argparse.Namespace, m) -> None:
     """The flags that set more than one model field: activations, grouped-query attention,
     --recompute-activations (upstream's alias of --recompute-granularity selective) and the
     virtual pipeline size's aliases."""
-    _virtual_pipeline_from_args(args, m)
+    virtual_pipeline_from_args(args, m)
     if args.recompute_activations:
         if m.recompute_granularity not in (None, "selective"):
             raise ConfigError("--recompute-activations", "means --recompute-granularity selective; give one")
@@ -490,48 +412,6 @@ def _architecture_from_args(args: argparse.Namespace, m) -> None:
         raise ConfigError("--group-query-attention", "needs --num-query-groups G")
     if args.num_query_groups is not None and not args.group_query_attention:
         raise ConfigError("--num-query-groups", "needs --group-query-attention (upstream ignores it without)")
-
-
-def _virtual_pipeline_from_args(args: argparse.Namespace, m) -> None:
-    """--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank set the
-    virtual pipeline size, as upstream: the first counts the embedding and loss as layers when they
-    are accounted for in the split, and cannot describe an uneven first or last stage."""
-    per_chunk, chunks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
-    given = [
-        flag
-        for flag, value in (
-            ("--virtual-pipeline-model-parallel-size", args.virtual_pipeline_model_parallel_size),
-            ("--num-layers-per-virtual-pipeline-stage", per_chunk),
-            ("--num-virtual-stages-per-pipeline-rank", chunks),
-        )
-        if value is not None
-    ]
-    if len(given) > 1:
-        raise ConfigError(given[1], f"and {given[0]} set the same thing; give one")
-    if chunks is not None:
-        if chunks < 1:
-            raise ConfigError(
-                "--num-virtual-stages-per-pipeline-rank", f"must be a positive integer, got {chunks}"
-            )
-        m.virtual_pipeline_model_parallel_size = chunks
-    if per_chunk is None:
-        return
-    flag = "--num-layers-per-virtual-pipeline-stage"
-    if m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None:
-        raise ConfigError(
-            flag, "cannot describe an uneven first or last stage; use --num-virtual-stages-per-pipeline-rank"
-        )
-    pp = m.pipeline_model_parallel_size
-    slots = (
-        m.num_layers
-        + int(m.account_for_embedding_in_pipeline_split)
-        + int(m.account_for_loss_in_pipeline_split)
-    )
-    if per_chunk <= 0 or slots % (pp * per_chunk):
-        raise ConfigError(
-            flag, f"{per_chunk} does not divide the {slots} layers into chunks of every one of {pp} stages"
-        )
-    m.virtual_pipeline_model_parallel_size = slots // (pp * per_chunk)
 
 
 def _profiling_from_args(args: argparse.Namespace) -> ProfilingConfig | None:
