@@ -4,7 +4,7 @@ Sections and names mirror Megatron-Bridge's ``megatron.bridge.training.config`` 
 ``model``, ``optimizer``, ``scheduler``, ``dataset``, ``logger``, ``tokenizer``, ``checkpoint``,
 ``dist``, ``ddp``, ``rng``, ``validation``, ...). :meth:`ConfigContainer.validate` finalizes every
 section, derives the data-parallel size and the scheduler's steps, runs upstream's checks and then
-megatron_lite's (``config_checks``). It runs on every rank before any collective, and in the
+megatron_lite's (``config_checks``, ``layout_checks`` and the others). It runs on every rank before any collective, and in the
 launcher before any worker starts; every failure is a :class:`ConfigError`, which is also the
 ``AssertionError`` / ``ValueError`` upstream's checks raise.
 """
@@ -43,6 +43,7 @@ from megatron_lite.training.config_sections import (
 )
 from megatron_lite.training.data_checks import check_data, resolve_vocab_size
 from megatron_lite.training.dataset_config import DataloaderConfig, GPTDatasetConfig, MockGPTDatasetConfig
+from megatron_lite.training.layout_checks import check_deferred_wgrad, check_divisibility
 from megatron_lite.training.tokenizers.config import TokenizerConfig
 from megatron_lite.training.utils.config_utils import _ConfigContainerBase
 from megatron_lite.utils.common_utils import get_world_size_safe
@@ -212,8 +213,8 @@ class ConfigContainer(_ConfigContainerBase):
             config_checks.check_supported,
             check_data,
             config_checks.check_ranges,
-            config_checks.check_divisibility,
-            config_checks.check_deferred_wgrad,
+            check_divisibility,
+            check_deferred_wgrad,
             check_architecture,
             check_activation_levers,
             config_checks.check_logger,
