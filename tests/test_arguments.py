@@ -145,7 +145,16 @@ BAD_INPUT = [
         "--pipeline-model-parallel-size 2 --num-layers 6 --global-batch-size 8 --micro-batch-size 2".split(),
         "--decoder-first-pipeline-num-layers",
     ),
-    (["--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout"),
+    (["--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout"),  # 2 of 8 layers
+    (
+        "--pipeline-model-parallel-layout Ettt|tttt|L --pipeline-model-parallel-size 3 "
+        "--num-layers 7 --decoder-last-pipeline-num-layers 1".split(),
+        "--pipeline-model-parallel-layout",
+    ),
+    (
+        "--pipeline-model-parallel-layout Ettt|tttt|L --pipeline-model-parallel-size 2 --num-layers 7".split(),
+        "--pipeline-model-parallel-layout",
+    ),
     (
         "--num-virtual-stages-per-pipeline-rank 0 --pipeline-model-parallel-size 2".split(),
         "--num-virtual-stages-per-pipeline-rank",

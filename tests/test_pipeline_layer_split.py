@@ -64,6 +64,50 @@ def test_layer_counts_and_offsets_are_megatron_cores(split):
     assert sum(map(sum, counts)) == split[0]
 
 
+LAYOUTS = [
+    ("Ett|tt|tt|tL", 4),
+    ("Ettt|(tt|)*2,L", 4),
+    ("E|t*3|tt|t|t|t|t|tL", 4),
+    ("Et|tt|t|ttL", 2),
+    ("E|(t|)*6,L", 4),
+    ("Et*2,t|(t)*3|tt|L", 2),
+]
+
+
+@pytest.mark.parametrize("text,pp", LAYOUTS)
+def test_layout_is_parsed_and_split_as_megatron_core_does(text, pp, mocker):
+    from megatron.core import parallel_state as up_state
+    from megatron.core.transformer import TransformerConfig as UpstreamConfig
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout as Theirs
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build as up_count
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset as up_offset
+
+    from megatron_lite.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    ours_parsed = PipelineParallelLayerLayout.parse_str_to_list(text)
+    assert [[x.name for x in stage] for stage in ours_parsed] == [
+        [x.name for x in stage] for stage in Theirs.parse_str_to_list(text)
+    ]
+    layers = [x.name for stage in ours_parsed for x in stage].count("decoder")
+    ours = TransformerConfig(
+        num_layers=layers, pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=text
+    )
+    theirs = UpstreamConfig(
+        num_layers=layers, hidden_size=64, num_attention_heads=4, pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp, pipeline_model_parallel_layout=text,
+    )  # fmt: skip
+    assert ours.virtual_pipeline_model_parallel_size == theirs.virtual_pipeline_model_parallel_size
+    vp = theirs.virtual_pipeline_model_parallel_size
+    # Upstream's layout path reads the rank and the virtual size from its parallel_state.
+    mocker.patch.object(up_state, "get_virtual_pipeline_model_parallel_world_size", return_value=vp)
+    rank = mocker.patch.object(up_state, "get_pipeline_model_parallel_rank")
+    for pp_rank, vp_stage in itertools.product(range(pp), [None] if vp is None else range(vp)):
+        rank.return_value = pp_rank
+        where = dict(vp_stage=vp_stage, pp_rank=pp_rank)
+        assert get_num_layers_to_build(ours, **where) == up_count(theirs, **where), where
+        assert get_transformer_layer_offset(ours, **where) == up_offset(theirs, **where), where
+
+
 ITERS = 6
 SIX_LAYERS = [*SMALL_MODEL, "--num-layers", "6", "--seed", "1234", "--train-iters", str(ITERS)]
 
@@ -87,10 +131,13 @@ def reference(tmp_path_factory):
         # Chunks of 0, 1, 1, 1 and 1, 1, 1, 0 layers: the embedding's and the loss's chunks hold no layer.
         "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
         "--virtual-pipeline-model-parallel-size 2",
+        # Chunks of 1, 2 and 1, 2 layers on two ranks, spelled out.
+        "--pipeline-model-parallel-layout Et|tt|t|ttL",
     ],
 )
 def test_uneven_split_loss_matches_single_process(tmp_path, reference, split):
-    losses = _losses(tmp_path, [*split.split(), "--pipeline-model-parallel-size", "4"])
+    pp = "2" if "layout" in split else "4"
+    losses = _losses(tmp_path, [*split.split(), "--pipeline-model-parallel-size", pp])
     assert sorted(losses) == list(range(1, ITERS + 1))
     for it in range(1, ITERS + 1):
         assert losses[it] == pytest.approx(reference[it], rel=5e-4), (it, losses, reference)

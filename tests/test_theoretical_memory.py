@@ -49,6 +49,8 @@ LAYOUTS = {
         1,
         "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 1".split(),
     ),
+    # Chunks of 0, 2, 2, 1 and 1, 1, 1, 0 layers; the layout sets vp 2 itself.
+    "tp1-pp4-layout": (1, 4, 1, ["--pipeline-model-parallel-layout", "E|tt|tt|t|t|t|t|L"]),
     "tp1-pp4-vp2-accounted": (
         1,
         4,

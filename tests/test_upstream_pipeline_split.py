@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_lite.core import parallel_state
-from megatron_lite.core.transformer.transformer_block import get_num_layers_to_build
+from megatron_lite.core.transformer.transformer_block import TransformerBlock, get_num_layers_to_build
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 from megatron_lite.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -123,3 +123,67 @@ def test_get_layer_offset():
         get_transformer_layer_offset(TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4))
         == 0
     )
+
+
+# TestPipelineParallelLayoutTransformerBlock (test_transformer_block.py), its cases as upstream.
+@pytest.mark.parametrize(
+    "num_layers, pp_size, vpp_size, pipeline_model_parallel_layout, should_assert_error",
+    [
+        (7, 2, 1, [["decoder"] * 6, ["decoder", "loss"]], True),
+        (7, 2, 1, [["embedding"] + ["decoder"] * 6, ["decoder"]], True),
+        (7, 2, 1, [["embedding"], ["invalid_type"] * 7 + ["loss"]], True),
+        (7, 2, 2, [["embedding"], ["decoder"] * 7, ["loss"]], True),
+        (7, 2, 2, [[["embedding", "decoder"], ["decoder"] * 4], ["decoder"], ["decoder", "loss"]], True),
+        (7, 2, 1, [[["embedding", "decoder"], ["decoder"] * 4], ["decoder"] * 2 + ["loss"]], True),
+        (7, 2, 1, [[["embedding"] + ["decoder"] * 5], ["decoder"] * 2 + ["loss"]], True),
+        (7, 2, 2, [[["embedding", "decoder"], ["decoder"] * 3], [["decoder"] * 2, ["decoder", "loss"]]], True),
+        (7, 2, 2, [["embedding", "decoder"], ["decoder"] * 4, ["decoder"], ["decoder", "loss"]], False),
+        (7, 2, 2, [["embedding"], ["decoder"] * 7, [], ["loss"]], False),
+        (7, 2, 2, [["embedding"], ["decoder"] * 6, ["decoder"], ["loss"]], False),
+    ],
+)  # fmt: skip
+def test_layout_layer_builder(
+    num_layers, pp_size, vpp_size, pipeline_model_parallel_layout, should_assert_error
+):
+    parallel_state.set_pipeline_model_parallel_world_size(pp_size)
+    context = pytest.raises((AssertionError, ValueError)) if should_assert_error else nullcontext()
+    with context:
+        transformer_config = TransformerConfig(
+            num_layers=num_layers,
+            pipeline_model_parallel_layout=pipeline_model_parallel_layout,
+            pipeline_model_parallel_size=pp_size,
+            pipeline_dtype=torch.bfloat16,
+            hidden_size=128,
+            num_attention_heads=16,
+        )
+        total_build_layers = 0
+        for i in range(pp_size):
+            parallel_state.set_pipeline_model_parallel_rank(i)
+            for j in range(vpp_size):
+                total_build_layers += get_num_layers_to_build(transformer_config, vp_stage=j)
+    if not should_assert_error:
+        assert total_build_layers == num_layers
+
+
+def test_layout_layer_number():
+    """test_layout_layer_number's case: each chunk's layers carry upstream's global layer numbers
+    (built here as TransformerBlocks, upstream builds GPTModels)."""
+    layout = [
+        ["embedding"],
+        ["decoder"],
+        ["decoder"] * 2,
+        ["decoder"],
+        [],
+        ["decoder"],
+        ["decoder"],
+        ["decoder"] * 2 + ["loss"],
+    ]
+    golden = [[[], []], [[1], [5]], [[2, 3], [6]], [[4], [7, 8]]]
+    config = TransformerConfig(
+        num_layers=8, hidden_size=8, num_attention_heads=8, pipeline_model_parallel_size=4,
+        virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_layout=layout,
+    )  # fmt: skip
+    for pp_rank in range(4):
+        for vp_stage in range(2):
+            block = TransformerBlock(config, pp_rank=pp_rank, vp_stage=vp_stage, post_process=False)
+            assert [layer.layer_number for layer in block.layers] == golden[pp_rank][vp_stage]

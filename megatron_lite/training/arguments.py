@@ -252,7 +252,6 @@ PROFILING_FLAGS: list[tuple[str, str, object, str]] = [
 UNSUPPORTED_FLAGS: dict[str, object] = {
     "--expert-model-parallel-size": int,
     "--num-experts": int,
-    "--pipeline-model-parallel-layout": str,
     "--use-flash-attn": "store_true",
 }
 

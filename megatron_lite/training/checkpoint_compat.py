@@ -63,6 +63,7 @@ _SPLIT_FIELDS = {
     "num_layers_in_last_pipeline_stage": None,
     "account_for_embedding_in_pipeline_split": False,
     "account_for_loss_in_pipeline_split": False,
+    "pipeline_model_parallel_layout": None,
 }
 
 

@@ -49,7 +49,9 @@ def check_divisibility(cfg) -> None:
 def _check_layer_split(m, pp: int, vp: int) -> None:
     """The layers split over stages and their chunks by Megatron's rules (pipeline_layer_split)."""
     first, last = m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage
-    if first is not None or last is not None:
+    if m.pipeline_model_parallel_layout is not None:
+        flag = "--pipeline-model-parallel-layout"
+    elif first is not None or last is not None:
         flag = (
             "--decoder-first-pipeline-num-layers"
             if first is not None

@@ -61,6 +61,7 @@ def _split_changes(m) -> list[Change]:
         m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
     )
     accounted = m.account_for_embedding_in_pipeline_split or m.account_for_loss_in_pipeline_split
+    custom = custom or m.pipeline_model_parallel_layout is not None
     if pp == 1 or custom or accounted or m.num_layers % pp:
         return []
     n = m.num_layers // pp

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_lite.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron_lite.training.config_errors import ConfigError
 
 PARALLEL_FLAGS: list[tuple[str, str, str | None, object, str]] = [
@@ -39,6 +40,14 @@ PARALLEL_FLAGS: list[tuple[str, str, str | None, object, str]] = [
         None,
         int,
         "Model chunks per pipeline rank (sets --virtual-pipeline-model-parallel-size).",
+    ),
+    (
+        "--pipeline-model-parallel-layout",
+        "model",
+        "pipeline_model_parallel_layout",
+        str,
+        "Every stage's layers, e.g. 'Ett|(tt|)*2,tL': E embedding, t layer, L loss, | between stages "
+        "(sets --virtual-pipeline-model-parallel-size).",
     ),
     (
         "--decoder-first-pipeline-num-layers",
@@ -103,11 +112,14 @@ def virtual_pipeline_from_args(args: argparse.Namespace, m) -> None:
             ("--virtual-pipeline-model-parallel-size", args.virtual_pipeline_model_parallel_size),
             ("--num-layers-per-virtual-pipeline-stage", per_chunk),
             ("--num-virtual-stages-per-pipeline-rank", chunks),
+            ("--pipeline-model-parallel-layout", args.pipeline_model_parallel_layout),
         )
         if value is not None
     ]
     if len(given) > 1:
         raise ConfigError(given[1], f"and {given[0]} set the same thing; give one")
+    if args.pipeline_model_parallel_layout is not None:
+        _layout_from_args(args.pipeline_model_parallel_layout, m)
     if chunks is not None:
         if chunks < 1:
             raise ConfigError(
@@ -132,3 +144,17 @@ def virtual_pipeline_from_args(args: argparse.Namespace, m) -> None:
             flag, f"{per_chunk} does not divide the {slots} layers into chunks of every one of {pp} stages"
         )
     m.virtual_pipeline_model_parallel_size = slots // (pp * per_chunk)
+
+
+def _layout_from_args(text: str, m) -> None:
+    """--pipeline-model-parallel-layout, parsed for this pipeline size; its stages per rank set the
+    virtual pipeline size (None for one, as upstream). Whether it holds the model's layers is the
+    layer split's check."""
+    flag, pp = "--pipeline-model-parallel-layout", m.pipeline_model_parallel_size
+    try:
+        layout = PipelineParallelLayerLayout(text, pp)
+    except ValueError as err:
+        raise ConfigError(flag, str(err)) from None
+    m.pipeline_model_parallel_layout = layout
+    vp = layout.virtual_pipeline_model_parallel_size
+    m.virtual_pipeline_model_parallel_size = vp if vp > 1 else None

@@ -9,9 +9,22 @@
 
 With ``vp`` chunks per stage each chunk holds ``1 / vp`` of its stage's layers, and chunk ``c`` of
 rank ``r`` follows every chunk ``c' < c`` and chunk ``c`` of every rank ``r' < r`` in layer order.
+``pipeline_model_parallel_layout`` instead spells out every chunk's layers (and vp) in that order.
 """
 
 from __future__ import annotations
+
+from megatron_lite.core.transformer.enums import LayerType
+from megatron_lite.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+
+def pipeline_layout(config) -> PipelineParallelLayerLayout | None:
+    """``config.pipeline_model_parallel_layout`` parsed (a string or list set after construction
+    included), or None."""
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is None or isinstance(layout, PipelineParallelLayerLayout):
+        return layout
+    return PipelineParallelLayerLayout(layout, config.pipeline_model_parallel_size)
 
 
 def pipeline_layer_counts(config) -> list[list[int]]:
@@ -22,6 +35,9 @@ def pipeline_layer_counts(config) -> list[list[int]]:
     last = config.num_layers_in_last_pipeline_stage
     embedding = config.account_for_embedding_in_pipeline_split
     loss = config.account_for_loss_in_pipeline_split
+    layout = pipeline_layout(config)
+    if layout is not None:
+        return _layout_counts(config, layout, first, last, embedding, loss)
     if first is not None or last is not None:
         if embedding or loss:
             raise ValueError(
@@ -67,6 +83,23 @@ def pipeline_layer_counts(config) -> list[list[int]]:
     if loss:
         counts[-1][-1] -= 1
     return counts
+
+
+def _layout_counts(config, layout, first, last, embedding, loss) -> list[list[int]]:
+    if first is not None or last is not None or embedding or loss:
+        raise ValueError(
+            "a pipeline layout cannot be combined with an uneven first / last stage or with accounting "
+            "for the embedding or the loss in the split"
+        )
+    vp = config.virtual_pipeline_model_parallel_size or 1
+    if layout.virtual_pipeline_model_parallel_size != vp:
+        raise ValueError(
+            f"its {layout.virtual_pipeline_model_parallel_size} stage(s) per rank conflict with a virtual "
+            f"pipeline size of {vp}"
+        )
+    layout.validate_layer_layout(config.num_layers, getattr(config, "mtp_num_layers", None))
+    pp = config.pipeline_model_parallel_size
+    return [[layout.layout[r][c].count(LayerType.decoder) for r in range(pp)] for c in range(vp)]
 
 
 def layers_per_pipeline_stage(config) -> list[int]:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from megatron_lite.core.model_parallel_config import ModelParallelConfig
+from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
+from megatron_lite.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron_lite.core.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -51,6 +53,9 @@ class TransformerConfig(ModelParallelConfig):
     """Count the embedding as one layer when splitting layers over pipeline stages."""
     account_for_loss_in_pipeline_split: bool = False
     """Count the output layer and loss as one layer when splitting layers over pipeline stages."""
+    pipeline_model_parallel_layout: str | list | PipelineParallelLayerLayout | None = None
+    """Every (virtual) pipeline stage's layers in layer order, e.g. ``"Ett|(tt|)*2,tL"`` (see
+    PipelineParallelLayerLayout); sets the virtual pipeline size. None: the split above."""
     hidden_size: int = 256
     """Transformer hidden size."""
     num_attention_heads: int = 8
@@ -106,3 +111,13 @@ class TransformerConfig(ModelParallelConfig):
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.recompute_modules is None:
             self.recompute_modules = ["core_attn"]
+        if isinstance(self.pipeline_model_parallel_layout, (str, list)):
+            # As upstream: parsed here, the virtual pipeline size taken from it, the split checked.
+            layout = PipelineParallelLayerLayout(
+                self.pipeline_model_parallel_layout, self.pipeline_model_parallel_size
+            )
+            self.pipeline_model_parallel_layout = layout
+            vp = layout.virtual_pipeline_model_parallel_size
+            if self.virtual_pipeline_model_parallel_size is None and vp > 1:
+                self.virtual_pipeline_model_parallel_size = vp
+            pipeline_layer_counts(self)
