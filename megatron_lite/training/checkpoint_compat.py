@@ -88,7 +88,8 @@ def _split_error(root: str, saved_config: dict, model) -> str | None:
     return (
         f"--load {root}: the checkpoint's model chunks hold {saved_counts} layers (per chunk, per stage) "
         f"but this run's hold {counts}; use the saved --decoder-first-pipeline-num-layers, "
-        "--decoder-last-pipeline-num-layers and --account-for-*-in-pipeline-split flags"
+        "--decoder-last-pipeline-num-layers, --account-for-*-in-pipeline-split or "
+        "--pipeline-model-parallel-layout flags"
     )
 
 

@@ -53,7 +53,8 @@ def pipeline_layer_counts(config) -> list[list[int]]:
         ends = " + ".join(map(str, fixed.values()))
         if middle_stages == 0 and rest:
             raise ValueError(
-                f"the first and last stages' {ends} layers must add up to the {config.num_layers}"
+                f"the first and last stages' {ends} layers must add up to the {config.num_layers} layers"
+                " (no other stage is left)"
             )
         if rest < 0:
             raise ValueError(
