@@ -57,12 +57,14 @@ def _split_changes(m) -> list[Change]:
     last (the fewest): its weights, gradients, optimizer state and activations leave stage 0. The last
     stage then does k more layers of work per microbatch, and 1F1B runs at its slowest stage's pace."""
     pp = m.pipeline_model_parallel_size
-    custom = (
-        m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
+    split_given = (
+        m.num_layers_in_first_pipeline_stage is not None
+        or m.num_layers_in_last_pipeline_stage is not None
+        or m.account_for_embedding_in_pipeline_split
+        or m.account_for_loss_in_pipeline_split
+        or m.pipeline_model_parallel_layout is not None
     )
-    accounted = m.account_for_embedding_in_pipeline_split or m.account_for_loss_in_pipeline_split
-    custom = custom or m.pipeline_model_parallel_layout is not None
-    if pp == 1 or custom or accounted or m.num_layers % pp:
+    if pp == 1 or split_given or m.num_layers % pp:  # only an even split of this depth is moved from
         return []
     n = m.num_layers // pp
     changes = []
