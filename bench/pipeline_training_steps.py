@@ -5,7 +5,10 @@ through megatron_lite's own ``train_step`` (DDP grad buffers, the schedule, fina
 MegatronOptimizer, the activation tracker users pay), the peer through ``Schedule1F1B.step`` and the
 clip and ``torch.optim.AdamW`` step a torch.distributed.pipelining user writes (same hyper-parameters;
 no tracker). Every contender runs on a prefix of one world's ranks (its own pipeline group, built
-here): the others wait in a barrier, which takes no CPU (gloo blocks). Building the groups is
+here): the others wait in a barrier, which takes no CPU (gloo blocks). Sharing processes, every
+contender runs with glibc's default malloc settings, as a torch.distributed.pipelining user's would:
+pretrain.py's workers keep freed host memory instead (training/utils/host_allocator.py), which
+bench/pipeline_stage_breakdown.py's page-fault and kernel columns show. Building the groups is
 collective over the world.
 """
 

@@ -87,6 +87,7 @@ def _p2p_roundtrip(rank, world):
     grad = p2p.recv_backward(shape)
     p2p.send_backward(torch.full(shape, float(rank)) if grad is None else grad.detach() * 2)
     out = (None if received is None else received.mean().item(), None if grad is None else grad.mean().item())
+    p2p.wait_for_sends()  # gloo sends complete lazily: the last one must land before the group goes
     ps.destroy_model_parallel()
     return out
 

@@ -13,6 +13,7 @@ from megatron_lite.core import parallel_state
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_lite.training.config import ConfigContainer
+from megatron_lite.training.utils.host_allocator import keep_freed_host_memory
 
 
 def initialize_distributed(config: ConfigContainer) -> None:
@@ -48,6 +49,8 @@ def set_random_seeds(seed: int) -> None:
 
 def initialize_megatron(config: ConfigContainer) -> ProcessGroupCollection:
     """Collective over the world: every rank builds every model-parallel group."""
+    if not torch.cuda.is_available():
+        keep_freed_host_memory()  # activations live in host memory: reuse freed blocks, don't re-fault them
     initialize_distributed(config)
     m = config.model
     parallel_state.initialize_model_parallel(
