@@ -129,7 +129,12 @@ def _install(clock: _Clock, path: Path) -> None:
         if clock.started is not None:
             os_counters = {f"os:{k}": v - clock.started[2][k] for k, v in usage.items()}
             clock.iterations.append(
-                {**clock.current, **os_counters, "total": start - clock.started[0], "cpu": cpu - clock.started[1]}
+                {
+                    **clock.current,
+                    **os_counters,
+                    "total": start - clock.started[0],
+                    "cpu": cpu - clock.started[1],
+                }
             )
             # Written every iteration: workers leave with os._exit.
             path.joinpath(f"rank-{rank}.json").write_text(json.dumps(clock.iterations))

@@ -38,7 +38,13 @@ print(json.dumps({"returned": held - rss()}))
 def _returned_on_free(setup: str, env: dict | None = None) -> int:
     code = "import json\n" + textwrap.dedent(setup) + _RETURNED_ON_FREE
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+        check=True,
     ).stdout
     return json.loads(out.splitlines()[-1])["returned"]
 

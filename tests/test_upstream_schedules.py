@@ -385,6 +385,7 @@ def _p2p_signatures(rank, world):
         received = p2p.recv_forward([shape], False)[0]
         nxt = p2p.send_backward_recv_forward(received.detach() * 10, shape, False)
         out["got"] = (received.mean().item(), nxt.mean().item())
+    p2p.wait_for_sends()  # gloo sends complete lazily: the last one must land before the world goes
     return out
 
 
