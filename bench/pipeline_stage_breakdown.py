@@ -13,8 +13,8 @@ all-reduce) and other (the iteration's remainder: the loop, zeroing the grad buf
 tracker, the scheduler); and the process CPU time per iteration (beside the wall time: a
 stage's share of the cores), split by the OS's counters (getrusage) into the training thread's CPU,
 the other threads' (gloo's transport loops) and the kernel's, with the page faults, blocking waits and
-preemptions each iteration costs (``--pipeline-model-parallel-size 1`` prints the same for one process). Only pretrain.py's functions are wrapped; nothing else changes. Runs the
-issue's model (8 layers, hidden 256, 8 heads, seq 128, micro-batch 2, global batch 16, vocab 8192, pp 4,
+preemptions each iteration costs (``--pipeline-model-parallel-size 1`` prints the same for one
+process). Only pretrain.py's functions are wrapped; nothing else changes. Runs the issue's model (8 layers, hidden 256, 8 heads, seq 128, micro-batch 2, global batch 16, vocab 8192, pp 4,
 fp32, 12 iterations) with the given flags appended: a later flag wins, so
 ``--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 1`` shows another split.
 """

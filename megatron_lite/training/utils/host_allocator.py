@@ -3,8 +3,9 @@
 Every microbatch allocates and frees the same large tensors (the logits, their softmax, the MLP's
 activations). glibc's defaults hand such blocks back to the kernel when they are freed at the top of
 the heap (trimming) or were mmap'ed, so the next microbatch's copy faults in fresh pages the kernel
-zeroes first: measured on pretrain.py's last pipeline stage (8 layers, hidden 256, vocab 8192), 16-23
-thousand page faults and ~50 ms of kernel time per iteration, on the stage every other one waits for.
+zeroes first: measured on pretrain.py's last pipeline stage (8 layers, hidden 256, vocab 8192, pp 4),
+5-23 thousand page faults and 26-59 ms of kernel time per iteration, on the stage every other one
+waits for.
 Keeping freed blocks in the process turns that into reuse: the same job faults a few pages per
 iteration. Only where the memory goes changes, never a value: losses stay bitwise identical.
 """
