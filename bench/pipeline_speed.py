@@ -1,7 +1,7 @@
 """bench/pipeline_vs_torch_pipelining.py's speed sections: whole training steps, alternated.
 
-``measure`` (on every worker) times, round by round in one world: ours at pp 4, the peer's
-Schedule1F1B at pp 4, our single process (pp 1, all cores) and the same process on one thread (half
+``measure`` (on every worker) times, round by round in one world: ours at pp 4 (and over gloo's
+sockets instead of shared memory), the peer's Schedule1F1B at pp 4, our single process (pp 1, all cores) and the same process on one thread (half
 of it is the two-core ideal), ours with --defer-embedding-wgrad-compute, ours and
 ScheduleInterleaved1F1B with vp 2, ours and Schedule1F1B on a 3-2-2-1 layer split (the last stage
 also runs the output layer), and ours on that split with --defer-embedding-wgrad-compute; then ours with bf16 against fp32 (a quarter of the rounds: bf16 can
@@ -19,14 +19,30 @@ import torch
 import torch.distributed as dist
 from pipeline_training_steps import Groups, cpu_matmul_kernels, mock_batches, ours, peer, threads_for
 
+from megatron_lite.core.pipeline_parallel.shared_memory_p2p import ENV_SWITCH
+
 PIPELINE = 4
 SCALING_PP = (1, 2, 4)
 SCALING_MICROBATCHES = (4, 8, 16, 32)
 HEADLINE_MICROBATCHES = 8
 VIRTUAL = 2  # the interleaved contenders' model chunks per rank
 SPLIT = (3, 1)  # the uneven contenders' first and last stages' layers: 3-2-2-1
-OURS, DEFER, PEER, SINGLE, ONE_THREAD, BF16, OURS_VP, PEER_VP, OURS_SPLIT, PEER_SPLIT, SPLIT_DEFER = (
+(
+    OURS,
+    SOCKETS,
+    DEFER,
+    PEER,
+    SINGLE,
+    ONE_THREAD,
+    BF16,
+    OURS_VP,
+    PEER_VP,
+    OURS_SPLIT,
+    PEER_SPLIT,
+    SPLIT_DEFER,
+) = (
     "megatron_lite pp 4",
+    "megatron_lite pp 4, p2p over gloo's sockets",
     "megatron_lite pp 4 --defer-embedding-wgrad-compute",
     "Schedule1F1B pp 4",
     "megatron_lite 1 process",
@@ -70,7 +86,7 @@ def _alternate(contenders: dict, rounds: int) -> tuple[dict, dict]:
 def measure(make_provider, mbs: int, rounds: int, scaling_rounds: int, skip_scaling: bool) -> dict:
     """This rank's times and first-iteration losses. Collective over the world (ranks 0..3)."""
     rank = dist.get_rank()
-    groups = Groups(dist.get_world_size(), SCALING_PP)
+    groups = Groups(dist.get_world_size(), SCALING_PP, sockets=PIPELINE)
     batches = mock_batches(max(SCALING_MICROBATCHES), make_provider(1), mbs)
     m = HEADLINE_MICROBATCHES
 
@@ -80,6 +96,7 @@ def measure(make_provider, mbs: int, rounds: int, scaling_rounds: int, skip_scal
     single = member(1, lambda: ours(make_provider, groups, 1, [m], batches, mbs)[m])
     headline = {
         OURS: (PIPELINE, 1, ours(make_provider, groups, PIPELINE, [m], batches, mbs)[m]),
+        SOCKETS: (PIPELINE, 1, ours(make_provider, groups, PIPELINE, [m], batches, mbs, sockets=True)[m]),
         DEFER: (PIPELINE, 1, ours(lambda pp, vp=1: make_provider(pp, vp=vp, defer=True), groups, PIPELINE, [m], batches, mbs)[m]),
         PEER: (PIPELINE, 1, peer(make_provider, groups, PIPELINE, batches, m)),
         SINGLE: (1, threads_for(1), single),
@@ -141,7 +158,7 @@ def _check_losses(loss: dict, rtol: float) -> None:
     """Ours, the peer and the single process start from equal weights and data: equal work only if
     their first-iteration losses agree."""
     reference = loss[OURS]
-    for name in (DEFER, PEER, SINGLE, OURS_VP, PEER_VP, OURS_SPLIT, PEER_SPLIT, SPLIT_DEFER):
+    for name in (SOCKETS, DEFER, PEER, SINGLE, OURS_VP, PEER_VP, OURS_SPLIT, PEER_SPLIT, SPLIT_DEFER):
         if not abs(loss[name] - reference) <= rtol * abs(reference):
             raise SystemExit(
                 f"first-iteration losses differ: {OURS} {reference:.7f}, {name} {loss[name]:.7f}"
@@ -150,7 +167,19 @@ def _check_losses(loss: dict, rtol: float) -> None:
         "first-iteration loss: "
         + ", ".join(
             f"{n} {loss[n]:.7f}"
-            for n in (OURS, DEFER, PEER, SINGLE, OURS_VP, PEER_VP, OURS_SPLIT, PEER_SPLIT, SPLIT_DEFER, BF16)
+            for n in (
+                OURS,
+                SOCKETS,
+                DEFER,
+                PEER,
+                SINGLE,
+                OURS_VP,
+                PEER_VP,
+                OURS_SPLIT,
+                PEER_SPLIT,
+                SPLIT_DEFER,
+                BF16,
+            )
         )
         + f" (fp32 ones checked equal within {rtol:g})"
     )
@@ -171,6 +200,7 @@ def report(results: list, rtol: float) -> None:
     fastest = {name: min(v) * 1000 for name, v in times.items()}
     rows = [
         (f"{OURS} ({PIPELINE} processes x {threads_for(PIPELINE)} thread)", ms[OURS], fastest[OURS]),
+        (f"{SOCKETS} ({ENV_SWITCH}=0)", ms[SOCKETS], fastest[SOCKETS]),
         (DEFER, ms[DEFER], fastest[DEFER]),
         (f"{PEER} (torch.distributed.pipelining)", ms[PEER], fastest[PEER]),
         (f"{SINGLE} ({cores} threads, no pipeline)", ms[SINGLE], fastest[SINGLE]),
@@ -194,6 +224,11 @@ def report(results: list, rtol: float) -> None:
         f"{_paired(times, SINGLE, OURS)})"
     )
     print(f"ideal / ours: {ideal / ms[OURS]:.3f} (1.0 would be no overhead and no bubble at all)")
+    print(
+        f"p2p through shared memory: {ms[SOCKETS] / ms[OURS]:.3f}x the speed over gloo's sockets"
+        f" ({_paired(times, SOCKETS, OURS)}); over the sockets, peer / ours {ms[PEER] / ms[SOCKETS]:.3f}"
+        f" ({_paired(times, PEER, SOCKETS)}), single-process / ours {ms[SINGLE] / ms[SOCKETS]:.3f}"
+    )
     print(
         f"--defer-embedding-wgrad-compute: peer / ours {ms[PEER] / ms[DEFER]:.3f}, single-process / ours"
         f" {ms[SINGLE] / ms[DEFER]:.3f}, ideal / ours {ideal / ms[DEFER]:.3f}; {ms[OURS] / ms[DEFER]:.3f}x"

@@ -8,8 +8,11 @@ no tracker). Every contender runs on a prefix of one world's ranks (its own pipe
 here): the others wait in a barrier, which takes no CPU (gloo blocks). Sharing processes, every
 contender runs with glibc's default malloc settings, as a torch.distributed.pipelining user's would:
 pretrain.py's workers keep freed host memory instead (training/utils/host_allocator.py), which
-bench/pipeline_stage_breakdown.py's page-fault and kernel columns show. Building the groups is
-collective over the world.
+bench/pipeline_stage_breakdown.py's page-fault and kernel columns show. Ours sends activations and
+gradients between its stages through shared memory (core/pipeline_parallel/shared_memory_p2p.py, as
+pretrain.py's workers do on one host), the peer through gloo's sockets; ``ours(..., sockets=True)``
+runs ours over a pipeline group kept on gloo's sockets, to show what the transport alone is worth.
+Building the groups is collective over the world.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from megatron_lite.core.datasets.gpt_dataset import MockGPTDataset
 from megatron_lite.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.core.optimizer import MegatronOptimizer
 from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig
+from megatron_lite.core.pipeline_parallel import shared_memory_p2p
+from megatron_lite.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_lite.training.config import ConfigContainer
@@ -69,29 +74,48 @@ def threads_for(pp: int) -> int:
 
 
 class Groups:
-    """Per pipeline size, the group of ranks 0..pp-1 and this rank's singleton group. Collective over
-    the world: every rank creates every group, in the same order."""
+    """Per pipeline size, the group of ranks 0..pp-1 and this rank's singleton group; and for
+    ``sockets``, a second group of ranks 0..sockets-1 whose p2p stays on gloo's sockets. Collective
+    over the world: every rank creates every group, in the same order."""
 
-    def __init__(self, world: int, sizes):
+    def __init__(self, world: int, sizes, sockets: int | None = None):
         rank = dist.get_rank()
         singles = [dist.new_group([r]) for r in range(world)]
         self.single = singles[rank]
         self.pp = {pp: dist.new_group(list(range(pp))) if pp > 1 else self.single for pp in sizes}
+        self.sockets = {}
+        if sockets:
+            self.sockets[sockets] = dist.new_group(list(range(sockets)))
+            if rank < sockets:  # a group's first communicator fixes its transport, here with the switch off
+                os.environ[shared_memory_p2p.ENV_SWITCH] = "0"
+                P2PCommunicator(self.sockets[sockets], None)
+                del os.environ[shared_memory_p2p.ENV_SWITCH]
 
-    def collection(self, pp: int) -> ProcessGroupCollection:
-        """Groups for a tp = cp = dp = 1 run over ranks 0..pp-1 (untied embeddings: no embd group)."""
-        one, pipe = self.single, self.pp[pp]
+    def collection(self, pp: int, sockets: bool = False) -> ProcessGroupCollection:
+        """Groups for a tp = cp = dp = 1 run over ranks 0..pp-1 (untied embeddings: no embd group);
+        ``sockets``: its pipeline group the one on gloo's sockets."""
+        one, pipe = self.single, (self.sockets if sockets else self.pp)[pp]
         return ProcessGroupCollection(
             tp=one, pp=pipe, mp=pipe, cp=one, tp_cp=one, dp=one, dp_cp=one, tp_dp_cp=one,
             ep=one, expt_tp=one, tp_ep=one, tp_ep_pp=pipe, expt_dp=one,
         )  # fmt: skip
 
 
-def ours(make_provider, groups: Groups, pp: int, microbatches, batches, mbs: int, vp: int = 1):
+def ours(
+    make_provider,
+    groups: Groups,
+    pp: int,
+    microbatches,
+    batches,
+    mbs: int,
+    vp: int = 1,
+    sockets: bool = False,
+):
     """{m: run()} on this rank of a pp-stage pipeline (``make_provider(pp, vp=vp)`` its GPT, ``vp``
-    model chunks per rank: interleaved 1F1B when > 1), one model and optimizer shared by every
-    microbatch count ``m``; each run is one megatron_lite train_step. Collective over the pipeline."""
-    pgc = groups.collection(pp)
+    model chunks per rank: interleaved 1F1B when > 1; ``sockets``: p2p over gloo's sockets), one
+    model and optimizer shared by every microbatch count ``m``; each run is one megatron_lite
+    train_step. Collective over the pipeline."""
+    pgc = groups.collection(pp, sockets)
     cfg = make_provider(pp, vp=vp)
     cfg._pg_collection = pgc
     chunks = [

@@ -12,14 +12,16 @@ GPT: 8 layers, hidden 256, 8 heads, seq 128, micro-batch 2, global batch 16 (8 m
 assignment: chunk c of rank r holds layer c * pp + r, torch's stage index c * pp + r). Both sides of a
 comparison run identically built stage modules (untied embeddings, so neither pays for an embedding
 all-reduce) on the same data, are checked to give the same first-iteration loss, and are alternated
-round by round. Prints the median ms per global-batch forward-backward for each, their ratio, and each
+round by round. Ours moves activations and gradients between its stages through shared memory (all
+ranks on one host, as pretrain.py's workers do), the peer through gloo's sockets. Prints the median ms per global-batch forward-backward for each, their ratio, and each
 stage's peak bytes of activations saved for backward (measured by megatron_lite's
 ActivationMemoryTracker around each schedule); for the interleaved schedule also the in-flight
 microbatch-chunk counts our schedule predicts per rank and the stage-0 peak over plain 1F1B's beside
 Megatron's interleaving factor 1 + (pp - 1) / (pp * vp).
 
 Then (unless ``--skip-speed``, see bench/pipeline_speed.py) whole training steps, forward-backward +
-grad-norm clip + AdamW, alternated round by round in the same world: ours at pp 4, the peer's
+grad-norm clip + AdamW, alternated round by round in the same world: ours at pp 4 (and over
+gloo's sockets, MEGATRON_LITE_P2P_SHARED_MEMORY=0, to show what the transport alone gives), the peer's
 Schedule1F1B at pp 4 with torch's AdamW, our single process on all cores (no pipeline, the 8
 microbatches as gradient accumulation) and on one thread (halved: the two-core ideal), ours with
 ``--defer-embedding-wgrad-compute``, ours and ScheduleInterleaved1F1B with vp 2, ours and

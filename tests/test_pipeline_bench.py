@@ -33,6 +33,12 @@ def test_bench_compares_both_schedules_on_equal_work_with_the_predicted_interlea
     measured = re.search(r"interleaved / 1F1B: megatron_lite ([\d.]+),", out)
     assert measured, out
     assert float(measured.group(1)) == pytest.approx(1 + (4 - 1) / (4 * 2), rel=0.1)
-    for line in ("peer / ours:", "single-process / ours:", "ideal / ours:", "a bf16 linear runs"):
+    for line in (
+        "peer / ours:",
+        "single-process / ours:",
+        "ideal / ours:",
+        "p2p through shared memory:",
+        "a bf16 linear runs",
+    ):
         assert line in out, out
     assert "-- scaling" not in out  # --skip-scaling

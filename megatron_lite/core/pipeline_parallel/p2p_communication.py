@@ -9,7 +9,9 @@ it returns. On gloo (CPU) a send completes only once the peer has posted the mat
 waiting for it would stall this stage's next compute behind the neighbour's; there the communicator
 keeps each send (and a reference to its tensor, so freeing the caller's output is safe) and waits for
 it at the start of its next exchange or in ``wait_for_sends``, which a schedule calls before it
-returns. Values and message order are unchanged: only where this rank waits moves.
+returns. Values and message order are unchanged: only where this rank waits moves. Between gloo stages
+on one host, messages go through shared memory instead of gloo's sockets (shared_memory_p2p.py): the
+same messages in the same order, one copy each side, a send complete once copied.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core.pipeline_parallel.shared_memory_p2p import shared_memory_channels
 from megatron_lite.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
 
@@ -41,7 +44,8 @@ def wait_for_sends(p2p_communicator) -> None:
 
 
 class P2PCommunicator:
-    """Sends and receives activations (forward) and their gradients (backward) over ``pp_group``."""
+    """Sends and receives activations (forward) and their gradients (backward) over ``pp_group``.
+    The first one built for a gloo group is collective over it (setting up shared memory)."""
 
     def __init__(self, pp_group, config):
         self.pp_group = pp_group
@@ -61,6 +65,11 @@ class P2PCommunicator:
         )
         # gloo sends still in flight, each with the tensor it sends (kept alive until complete).
         self._pending_sends: list[tuple[object, torch.Tensor]] = []
+        self._shared_memory = (
+            shared_memory_channels(pp_group, (self.next_rank, self.prev_rank))
+            if self.device.type == "cpu"
+            else None
+        )
 
     def wait_for_sends(self) -> None:
         """Wait until every send this communicator posted has completed (the peers received them)."""
@@ -123,7 +132,15 @@ class P2PCommunicator:
             ops.append(dist.P2POp(dist.isend, tensor_send_prev.contiguous(), self.prev_rank, self.pp_group))
         if from_next is not None:
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.pp_group))
-        if ops and self.device.type != "cpu":
+        shm = getattr(self, "_shared_memory", None)  # none in a subclass that skips __init__
+        if ops and shm is not None:
+            # Sends first: they block only on a full ring, so receiving after them cannot deadlock.
+            for op in sorted(ops, key=lambda op: op.op is not dist.isend):
+                if op.op is dist.isend:
+                    shm.outgoing[op.peer].send(op.tensor, op.peer)
+                else:
+                    shm.incoming[op.peer].recv(op.tensor, op.peer)
+        elif ops and self.device.type != "cpu":
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
         elif ops:

@@ -1,0 +1,230 @@
+"""Pipeline p2p through shared memory, for CPU stages that share one host.
+
+gloo moves a tensor between two processes on one machine through a loopback TCP socket: the bytes
+are copied into the kernel and out again, and gloo's transport threads are woken on both sides, for
+a CPU cost several times the copy's (bench/pipeline_stage_breakdown.py shows it as "other threads"
+and kernel time). Here each ordered pair of neighbouring ranks gets a channel instead: a ring of
+``SLOTS`` buffers in a shared-memory file that the sender copies into and the receiver copies out of,
+and two FIFOs that carry an 8-byte size per message ("filled", sender to receiver) and a token per
+buffer handed back ("free", receiver to sender). A message is one copy each side and two small
+syscalls; a send completes once copied, unless the ring is full.
+
+Messages on a channel arrive in the order they were sent, as gloo matches them between a pair.
+A receiver expects the byte count of the tensor it was asked for; a different count from the sender
+is an error, not a misread. A channel starts with no buffers and grows them (both sides at the same
+message, the first larger than the buffers) to the largest message sent. A peer that exits closes its
+ends of the FIFOs, so its neighbours' next read or write raises instead of waiting forever. Names in
+the shared-memory folder live only while being opened: each is unlinked by the side that opens it
+last (a buffer file whose receiver crashed before opening it stays).
+
+``MEGATRON_LITE_P2P_SHARED_MEMORY=0`` keeps gloo's sockets.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import mmap
+import os
+import struct
+import tempfile
+import uuid
+
+import torch
+import torch.distributed as dist
+
+SLOTS = 4  # buffers per channel: a sender may run this many messages ahead of its receiver
+ENV_SWITCH = "MEGATRON_LITE_P2P_SHARED_MEMORY"
+_SIZE = struct.Struct("<q")
+_PAGE = mmap.PAGESIZE
+_setups: dict = {}  # process group -> SharedMemoryChannels, or None where gloo's sockets stay
+
+
+def shared_memory_folder() -> str:
+    """Where channel files go: the RAM-backed /dev/shm on Linux, else the temporary folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class _Channel:
+    """One direction between two ranks: the sender's or the receiver's end."""
+
+    def __init__(self, base: str, sending: bool):
+        self.base, self.sending = base, sending
+        self.filled_fd = self.free_fd = -1
+        self.generation, self.slot_bytes, self.index, self.in_flight = 0, 0, 0, 0
+        self.buffer = self.mapping = None
+
+    def _map(self, fd: int) -> None:
+        self.mapping = mmap.mmap(fd, SLOTS * self.slot_bytes)
+        self.buffer = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        os.close(fd)
+
+    def _grow(self, nbytes: int) -> None:
+        """Buffers for messages of ``nbytes``: the sender creates the next generation's file, the
+        receiver (reading that message's size, so the file exists) opens and unlinks it."""
+        self.generation += 1
+        self.slot_bytes = -(-nbytes // _PAGE) * _PAGE
+        self.index = 0
+        path = f"{self.base}.{self.generation}"
+        if self.sending:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, SLOTS * self.slot_bytes)
+        else:
+            fd = os.open(path, os.O_RDWR)
+            os.unlink(path)
+        self._map(fd)
+
+    def _slot(self, nbytes: int) -> torch.Tensor:
+        start = self.index * self.slot_bytes
+        self.index = (self.index + 1) % SLOTS
+        return self.buffer[start : start + nbytes]
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self.slot_bytes:
+            while self.in_flight:  # the receiver has copied every message out of the old buffers
+                self._take_free(peer)
+            self._grow(nbytes)
+        elif self.in_flight == SLOTS:
+            self._take_free(peer)
+        self._slot(nbytes).view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self.in_flight += 1
+        _write(self.filled_fd, _SIZE.pack(nbytes), peer)
+
+    def _take_free(self, peer: int) -> None:
+        _read(self.free_fd, 1, peer)
+        self.in_flight -= 1
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        (sent,) = _SIZE.unpack(_read(self.filled_fd, _SIZE.size, peer))
+        if sent != nbytes:
+            raise RuntimeError(
+                f"pipeline p2p: rank {peer} sent {sent} bytes where this rank expects {nbytes}"
+                f" ({tuple(tensor.shape)} {tensor.dtype}): the stages disagree on the tensor shape"
+            )
+        if nbytes > self.slot_bytes:
+            self._grow(nbytes)
+        with torch.no_grad():  # the destination is a leaf that requires grad
+            tensor.view(torch.uint8).view(-1).copy_(self._slot(nbytes))
+        _write(self.free_fd, b"f", peer)
+
+    def close(self) -> None:
+        for fd in (self.filled_fd, self.free_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.filled_fd = self.free_fd = -1
+        # The newest buffer file stays named: its receiver may still open it for a message in the
+        # FIFO (a FIFO keeps what was written after its writer closes), and unlinks it then.
+
+
+def _read(fd: int, n: int, peer: int) -> bytes:
+    data = os.read(fd, n)
+    if len(data) != n:
+        raise RuntimeError(f"pipeline p2p: rank {peer} closed its shared-memory channel (it exited)")
+    return data
+
+
+def _write(fd: int, data: bytes, peer: int) -> None:
+    try:
+        os.write(fd, data)
+    except BrokenPipeError:
+        raise RuntimeError(
+            f"pipeline p2p: rank {peer} closed its shared-memory channel (it exited)"
+        ) from None
+
+
+def _blocking(fd: int) -> int:
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
+
+
+class SharedMemoryChannels:
+    """This rank's channels to and from its neighbours ``peers`` (global ranks) in one group."""
+
+    def __init__(self, token: str, rank: int, peers):
+        folder = shared_memory_folder()
+        name = lambda src, dst: os.path.join(folder, f"megatron_lite_p2p_{token}_{src}_{dst}")  # noqa: E731
+        self.outgoing = {p: _Channel(name(rank, p), sending=True) for p in peers}
+        self.incoming = {p: _Channel(name(p, rank), sending=False) for p in peers}
+        # Each FIFO is made by its reader; it's "filled" for an incoming channel, "free" for outgoing.
+        self._own_fifos = [c.base + ".filled" for c in self.incoming.values()]
+        self._own_fifos += [c.base + ".free" for c in self.outgoing.values()]
+
+    def open_read_ends(self) -> None:
+        for path in self._own_fifos:
+            os.mkfifo(path, 0o600)
+        for c in self.incoming.values():
+            c.filled_fd = os.open(c.base + ".filled", os.O_RDONLY | os.O_NONBLOCK)
+        for c in self.outgoing.values():
+            c.free_fd = os.open(c.base + ".free", os.O_RDONLY | os.O_NONBLOCK)
+
+    def open_write_ends(self) -> bool:
+        """Whether every neighbour's FIFO could be opened (no: another host, or another /dev/shm)."""
+        try:
+            for c in self.outgoing.values():
+                c.filled_fd = os.open(c.base + ".filled", os.O_WRONLY | os.O_NONBLOCK)
+            for c in self.incoming.values():
+                c.free_fd = os.open(c.base + ".free", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # missing (not shared with us) or no reader there (ENXIO)
+            return False
+        return True
+
+    def finish(self) -> None:
+        """Every end is open: the names can go, and reads and writes block from now on."""
+        self.unlink_fifos()
+        for c in [*self.outgoing.values(), *self.incoming.values()]:
+            _blocking(c.filled_fd), _blocking(c.free_fd)
+
+    def unlink_fifos(self) -> None:
+        for path in self._own_fifos:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.unlink_fifos()
+        for c in [*self.outgoing.values(), *self.incoming.values()]:
+            c.close()
+
+
+def shared_memory_channels(pp_group, neighbours) -> SharedMemoryChannels | None:
+    """This rank's shared-memory channels to ``neighbours`` (global ranks) in ``pp_group``, or None
+    where gloo's sockets stay (NCCL, switched off, a platform without FIFOs, or a rank that cannot
+    open a neighbour's channel files: another host or another /dev/shm). Made once per group.
+
+    Collective over ``pp_group`` the first time it is called for the group (a token, then whether
+    every rank opened its channels); later calls return the same channels without communicating.
+    """
+    if pp_group in _setups:
+        return _setups[pp_group]
+    peers = sorted(set(neighbours) - {dist.get_rank()})
+    usable = (
+        bool(peers)
+        and dist.get_backend(pp_group) == "gloo"
+        and os.environ.get(ENV_SWITCH, "1") != "0"
+        and hasattr(os, "mkfifo")
+    )
+    # Every rank of the group must take the same path through the collectives below.
+    agreed = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(agreed, (usable, uuid.uuid4().hex), group=pp_group)
+    channels = None
+    if all(ok for ok, _ in agreed):
+        channels = SharedMemoryChannels(agreed[0][1], dist.get_rank(), peers)
+        try:
+            channels.open_read_ends()
+            made = True
+        except OSError:
+            made = False
+        dist.barrier(group=pp_group)  # every rank's FIFOs exist and are open for reading
+        opened = made and channels.open_write_ends()
+        dist.all_gather_object(agreed, opened, group=pp_group)
+        if all(agreed):
+            channels.finish()
+            atexit.register(channels.close)
+        else:
+            channels.close()
+            channels = None
+    _setups[pp_group] = channels
+    return channels
