@@ -11,11 +11,11 @@ syscalls; a send completes once copied, unless the ring is full.
 
 Messages on a channel arrive in the order they were sent, as gloo matches them between a pair.
 A receiver expects the byte count of the tensor it was asked for; a different count from the sender
-is an error, not a misread. A channel starts with no buffers and grows them (both sides at the same
-message, the first larger than the buffers) to the largest message sent. A peer that exits closes its
-ends of the FIFOs, so its neighbours' next read or write raises instead of waiting forever. Names in
-the shared-memory folder live only while being opened: each is unlinked by the side that opens it
-last (a buffer file whose receiver crashed before opening it stays).
+is an error, not a misread. A channel's buffers start empty and grow (both sides at the same message,
+the first larger than them) to the largest message sent. A peer that exits closes its ends of the
+FIFOs, so its neighbours' next read or write raises instead of waiting forever. Names in the
+shared-memory folder live only while the group sets up: once every rank has opened its neighbours'
+ends, each rank unlinks the names it made.
 
 ``MEGATRON_LITE_P2P_SHARED_MEMORY=0`` keeps gloo's sockets.
 """
@@ -46,33 +46,24 @@ def shared_memory_folder() -> str:
 
 
 class _Channel:
-    """One direction between two ranks: the sender's or the receiver's end."""
+    """One direction between two ranks: the sender's or the receiver's end. Both ends hold the
+    buffer file open (it has no name once set up), so growing it needs no new file."""
 
     def __init__(self, base: str, sending: bool):
         self.base, self.sending = base, sending
-        self.filled_fd = self.free_fd = -1
-        self.generation, self.slot_bytes, self.index, self.in_flight = 0, 0, 0, 0
-        self.buffer = self.mapping = None
-
-    def _map(self, fd: int) -> None:
-        self.mapping = mmap.mmap(fd, SLOTS * self.slot_bytes)
-        self.buffer = torch.frombuffer(self.mapping, dtype=torch.uint8)
-        os.close(fd)
+        self.buffer_fd = self.filled_fd = self.free_fd = -1
+        self.slot_bytes, self.index, self.in_flight = 0, 0, 0
+        self.buffer = None
 
     def _grow(self, nbytes: int) -> None:
-        """Buffers for messages of ``nbytes``: the sender creates the next generation's file, the
-        receiver (reading that message's size, so the file exists) opens and unlinks it."""
-        self.generation += 1
+        """Buffers for messages of ``nbytes``: the sender enlarges the file before it sends the
+        message's size, the receiver maps the larger file when it reads that size."""
         self.slot_bytes = -(-nbytes // _PAGE) * _PAGE
         self.index = 0
-        path = f"{self.base}.{self.generation}"
         if self.sending:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, SLOTS * self.slot_bytes)
-        else:
-            fd = os.open(path, os.O_RDWR)
-            os.unlink(path)
-        self._map(fd)
+            os.ftruncate(self.buffer_fd, SLOTS * self.slot_bytes)
+        # The old mapping goes when the last view of it does.
+        self.buffer = torch.frombuffer(mmap.mmap(self.buffer_fd, SLOTS * self.slot_bytes), dtype=torch.uint8)
 
     def _slot(self, nbytes: int) -> torch.Tensor:
         start = self.index * self.slot_bytes
@@ -98,24 +89,22 @@ class _Channel:
     def recv(self, tensor: torch.Tensor, peer: int) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         (sent,) = _SIZE.unpack(_read(self.filled_fd, _SIZE.size, peer))
+        if sent > self.slot_bytes:
+            self._grow(sent)
         if sent != nbytes:
             raise RuntimeError(
                 f"pipeline p2p: rank {peer} sent {sent} bytes where this rank expects {nbytes}"
                 f" ({tuple(tensor.shape)} {tensor.dtype}): the stages disagree on the tensor shape"
             )
-        if nbytes > self.slot_bytes:
-            self._grow(nbytes)
         with torch.no_grad():  # the destination is a leaf that requires grad
             tensor.view(torch.uint8).view(-1).copy_(self._slot(nbytes))
         _write(self.free_fd, b"f", peer)
 
     def close(self) -> None:
-        for fd in (self.filled_fd, self.free_fd):
+        for fd in (self.buffer_fd, self.filled_fd, self.free_fd):
             if fd >= 0:
                 os.close(fd)
-        self.filled_fd = self.free_fd = -1
-        # The newest buffer file stays named: its receiver may still open it for a message in the
-        # FIFO (a FIFO keeps what was written after its writer closes), and unlinks it then.
+        self.buffer_fd = self.filled_fd = self.free_fd = -1
 
 
 def _read(fd: int, n: int, peer: int) -> bytes:
@@ -147,44 +136,50 @@ class SharedMemoryChannels:
         name = lambda src, dst: os.path.join(folder, f"megatron_lite_p2p_{token}_{src}_{dst}")  # noqa: E731
         self.outgoing = {p: _Channel(name(rank, p), sending=True) for p in peers}
         self.incoming = {p: _Channel(name(p, rank), sending=False) for p in peers}
-        # Each FIFO is made by its reader; it's "filled" for an incoming channel, "free" for outgoing.
-        self._own_fifos = [c.base + ".filled" for c in self.incoming.values()]
-        self._own_fifos += [c.base + ".free" for c in self.outgoing.values()]
+        # The names this rank makes: each FIFO by its reader ("filled" for an incoming channel,
+        # "free" for an outgoing one), each buffer file by its sender.
+        self._made = [c.base + ".filled" for c in self.incoming.values()]
+        self._made += [c.base + ".free" for c in self.outgoing.values()]
+        self._made += [c.base for c in self.outgoing.values()]
 
-    def open_read_ends(self) -> None:
-        for path in self._own_fifos:
-            os.mkfifo(path, 0o600)
-        for c in self.incoming.values():
-            c.filled_fd = os.open(c.base + ".filled", os.O_RDONLY | os.O_NONBLOCK)
+    def make_own_ends(self) -> None:
+        """Make this rank's names and open what it reads (the FIFOs without waiting for a writer)."""
         for c in self.outgoing.values():
+            c.buffer_fd = os.open(c.base, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.mkfifo(c.base + ".free", 0o600)
             c.free_fd = os.open(c.base + ".free", os.O_RDONLY | os.O_NONBLOCK)
+        for c in self.incoming.values():
+            os.mkfifo(c.base + ".filled", 0o600)
+            c.filled_fd = os.open(c.base + ".filled", os.O_RDONLY | os.O_NONBLOCK)
 
-    def open_write_ends(self) -> bool:
-        """Whether every neighbour's FIFO could be opened (no: another host, or another /dev/shm)."""
+    def open_neighbours_ends(self) -> bool:
+        """Open the names the neighbours made; False where they cannot be (another host or another
+        /dev/shm: not there; or no reader on a FIFO)."""
         try:
             for c in self.outgoing.values():
                 c.filled_fd = os.open(c.base + ".filled", os.O_WRONLY | os.O_NONBLOCK)
             for c in self.incoming.values():
+                c.buffer_fd = os.open(c.base, os.O_RDWR)
                 c.free_fd = os.open(c.base + ".free", os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:  # missing (not shared with us) or no reader there (ENXIO)
+        except OSError:
             return False
         return True
 
     def finish(self) -> None:
-        """Every end is open: the names can go, and reads and writes block from now on."""
-        self.unlink_fifos()
+        """Every rank has opened every end: the names can go, and reads and writes block from now on."""
+        self.unlink_made()
         for c in [*self.outgoing.values(), *self.incoming.values()]:
             _blocking(c.filled_fd), _blocking(c.free_fd)
 
-    def unlink_fifos(self) -> None:
-        for path in self._own_fifos:
+    def unlink_made(self) -> None:
+        for path in self._made:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
 
     def close(self) -> None:
-        self.unlink_fifos()
+        self.unlink_made()
         for c in [*self.outgoing.values(), *self.incoming.values()]:
             c.close()
 
@@ -213,12 +208,12 @@ def shared_memory_channels(pp_group, neighbours) -> SharedMemoryChannels | None:
     if all(ok for ok, _ in agreed):
         channels = SharedMemoryChannels(agreed[0][1], dist.get_rank(), peers)
         try:
-            channels.open_read_ends()
+            channels.make_own_ends()
             made = True
         except OSError:
             made = False
-        dist.barrier(group=pp_group)  # every rank's FIFOs exist and are open for reading
-        opened = made and channels.open_write_ends()
+        dist.barrier(group=pp_group)  # every rank's names exist, its FIFOs open for reading
+        opened = made and channels.open_neighbours_ends()
         dist.all_gather_object(agreed, opened, group=pp_group)
         if all(agreed):
             channels.finish()
