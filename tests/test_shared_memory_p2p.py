@@ -152,3 +152,40 @@ def test_losses_and_gradients_are_bitwise_those_over_gloos_sockets():
         assert shm[0] == sockets[0]
         assert len(shm[1]) == len(sockets[1]) > 0
         assert shm[1] == sockets[1]
+
+
+def _channel_pair(tmp_path):
+    """The two ends of one channel in this process: a buffer file and two pipes for the FIFOs."""
+    base = str(tmp_path / "channel")
+    sender = shared_memory_p2p._Channel(base, sending=True)
+    receiver = shared_memory_p2p._Channel(base, sending=False)
+    sender.buffer_fd = os.open(base, os.O_RDWR | os.O_CREAT, 0o600)
+    receiver.buffer_fd = os.open(base, os.O_RDWR)
+    receiver.filled_fd, sender.filled_fd = os.pipe()
+    sender.free_fd, receiver.free_fd = os.pipe()
+    return sender, receiver
+
+
+def test_a_channel_wraps_its_ring_and_grows_in_place(tmp_path):
+    sender, receiver = _channel_pair(tmp_path)
+    for size in (5, 5, 5, 5, 5, 3000, 7, 3000):  # more messages than slots; a larger one mid-way
+        sent = [torch.randn(size) for _ in range(shared_memory_p2p.SLOTS)]
+        for t in sent:
+            sender.send(t, peer=1)
+        for t in sent:
+            out = torch.empty(size)
+            receiver.recv(out, peer=0)
+            assert torch.equal(out, t)
+    assert os.fstat(sender.buffer_fd).st_size == shared_memory_p2p.SLOTS * 3 * 4096  # 12000 bytes -> 3 pages
+    sender.close(), receiver.close()
+
+
+def test_a_full_shared_memory_folder_is_a_clear_error_not_a_sigbus(tmp_path, mocker):
+    sender, receiver = _channel_pair(tmp_path)
+    mocker.patch.object(os, "posix_fallocate", side_effect=OSError(28, "No space left on device"))
+    with pytest.raises(
+        RuntimeError,
+        match=r"no room in .* for 0\.02 MiB of buffers to rank 1 \(No space left on device\); enlarge it",
+    ):
+        sender.send(torch.ones(4), peer=1)
+    sender.close(), receiver.close()

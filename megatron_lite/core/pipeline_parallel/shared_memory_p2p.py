@@ -55,13 +55,13 @@ class _Channel:
         self.slot_bytes, self.index, self.in_flight = 0, 0, 0
         self.buffer = None
 
-    def _grow(self, nbytes: int) -> None:
+    def _grow(self, nbytes: int, peer: int) -> None:
         """Buffers for messages of ``nbytes``: the sender enlarges the file before it sends the
         message's size, the receiver maps the larger file when it reads that size."""
         self.slot_bytes = -(-nbytes // _PAGE) * _PAGE
         self.index = 0
         if self.sending:
-            os.ftruncate(self.buffer_fd, SLOTS * self.slot_bytes)
+            _allocate(self.buffer_fd, SLOTS * self.slot_bytes, peer)
         # The old mapping goes when the last view of it does.
         self.buffer = torch.frombuffer(mmap.mmap(self.buffer_fd, SLOTS * self.slot_bytes), dtype=torch.uint8)
 
@@ -75,7 +75,7 @@ class _Channel:
         if nbytes > self.slot_bytes:
             while self.in_flight:  # the receiver has copied every message out of the old buffers
                 self._take_free(peer)
-            self._grow(nbytes)
+            self._grow(nbytes, peer)
         elif self.in_flight == SLOTS:
             self._take_free(peer)
         self._slot(nbytes).view(tensor.dtype).view(tensor.shape).copy_(tensor)
@@ -90,7 +90,7 @@ class _Channel:
         nbytes = tensor.numel() * tensor.element_size()
         (sent,) = _SIZE.unpack(_read(self.filled_fd, _SIZE.size, peer))
         if sent > self.slot_bytes:
-            self._grow(sent)
+            self._grow(sent, peer)
         if sent != nbytes:
             raise RuntimeError(
                 f"pipeline p2p: rank {peer} sent {sent} bytes where this rank expects {nbytes}"
@@ -105,6 +105,23 @@ class _Channel:
             if fd >= 0:
                 os.close(fd)
         self.buffer_fd = self.filled_fd = self.free_fd = -1
+
+
+def _allocate(fd: int, size: int, peer: int) -> None:
+    """Give the buffer file ``size`` bytes of memory now: a full tmpfs (Docker's default /dev/shm
+    is 64 MiB) then fails here, with a remedy, instead of killing the process with SIGBUS when a
+    copy first touches a page it cannot have."""
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
+    except OSError as error:
+        raise RuntimeError(
+            f"pipeline p2p: no room in {shared_memory_folder()} for {size / 2**20:.2f} MiB of buffers"
+            f" to rank {peer} ({error.strerror}); enlarge it (docker run --shm-size ...) or set"
+            f" {ENV_SWITCH}=0 to send over gloo's sockets"
+        ) from None
 
 
 def _read(fd: int, n: int, peer: int) -> bytes:
