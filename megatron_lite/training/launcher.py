@@ -34,6 +34,7 @@ _SECONDARY = (
     "ECONNRESET",
     "timed out",
     "another rank failed",
+    "closed its shared-memory channel",  # core/pipeline_parallel/shared_memory_p2p.py: a neighbour exited
 )
 
 

@@ -124,10 +124,15 @@ def _allocate(fd: int, size: int, peer: int) -> None:
         ) from None
 
 
+def _peer_gone(peer: int) -> str:
+    # The launcher knows this phrase: a symptom of the neighbour's failure, not the cause.
+    return f"pipeline p2p: rank {peer} closed its shared-memory channel (it exited)"
+
+
 def _read(fd: int, n: int, peer: int) -> bytes:
     data = os.read(fd, n)
     if len(data) != n:
-        raise RuntimeError(f"pipeline p2p: rank {peer} closed its shared-memory channel (it exited)")
+        raise RuntimeError(_peer_gone(peer))
     return data
 
 
@@ -135,9 +140,7 @@ def _write(fd: int, data: bytes, peer: int) -> None:
     try:
         os.write(fd, data)
     except BrokenPipeError:
-        raise RuntimeError(
-            f"pipeline p2p: rank {peer} closed its shared-memory channel (it exited)"
-        ) from None
+        raise RuntimeError(_peer_gone(peer)) from None
 
 
 def _blocking(fd: int) -> int:
