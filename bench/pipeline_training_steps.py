@@ -87,9 +87,13 @@ class Groups:
         if sockets:
             self.sockets[sockets] = dist.new_group(list(range(sockets)))
             if rank < sockets:  # a group's first communicator fixes its transport, here with the switch off
+                users = os.environ.get(shared_memory_p2p.ENV_SWITCH)
                 os.environ[shared_memory_p2p.ENV_SWITCH] = "0"
                 P2PCommunicator(self.sockets[sockets], None)
-                del os.environ[shared_memory_p2p.ENV_SWITCH]
+                if users is None:
+                    del os.environ[shared_memory_p2p.ENV_SWITCH]
+                else:
+                    os.environ[shared_memory_p2p.ENV_SWITCH] = users
 
     def collection(self, pp: int, sockets: bool = False) -> ProcessGroupCollection:
         """Groups for a tp = cp = dp = 1 run over ranks 0..pp-1 (untied embeddings: no embd group);

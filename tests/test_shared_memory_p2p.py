@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import mmap
 import os
 import time
 
@@ -35,9 +36,8 @@ def _relay(rank, world, switched_off):
     if switched_off:
         os.environ[shared_memory_p2p.ENV_SWITCH] = "0"
     p2p = _communicator()
-    dist.barrier()
+    dist.barrier()  # every rank has finished setting up (and unlinked its names)
     names_after_setup = _channel_names(p2p)
-    dist.barrier()  # before any rank sends (a first send makes its buffer file)
     shapes = [(3, 2, 8), (3, 2, 8), (64, 2, 8), (1, 2, 8), (64, 2, 8), (128, 2, 8)] * 2
     received = []
     for i, shape in enumerate(shapes):
@@ -52,7 +52,7 @@ def _relay(rank, world, switched_off):
         grads.append(None if grad is None else float(grad.detach().sum()))
         p2p.send_backward(torch.full(shape, float(rank + i)))
     p2p.wait_for_sends()
-    dist.barrier()  # every buffer file has been opened by its receiver
+    dist.barrier()
     return received, grads, p2p._shared_memory is not None, names_after_setup, _channel_names(p2p)
 
 
@@ -69,7 +69,7 @@ def test_stages_relay_every_message_exactly(switched_off):
             sender = rank + 1
             assert grads == [float((sender + i) * torch.Size(s).numel()) for i, s in enumerate(shapes)]
         assert names == []  # channel names are unlinked once every end is open
-        assert names_at_end == []  # buffer files too, once their receiver opened them
+        assert names_at_end == []  # growing a ring made no new name
 
 
 def _mismatch(rank, world):
@@ -90,7 +90,9 @@ def _peer_closes(rank, world):
     p2p = _communicator()
     if rank == 1:
         p2p._shared_memory.close()  # what the kernel does to a rank that exits or crashes
+        dist.barrier()
         return None
+    dist.barrier()  # rank 1's ends are all closed
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 closed its shared-memory channel"):
         p2p.recv_backward((3, 2, 8))
@@ -157,8 +159,8 @@ def test_losses_and_gradients_are_bitwise_those_over_gloos_sockets():
 def _channel_pair(tmp_path):
     """The two ends of one channel in this process: a buffer file and two pipes for the FIFOs."""
     base = str(tmp_path / "channel")
-    sender = shared_memory_p2p._Channel(base, sending=True)
-    receiver = shared_memory_p2p._Channel(base, sending=False)
+    sender = shared_memory_p2p._Channel(base, sending=True, timeout_s=10)
+    receiver = shared_memory_p2p._Channel(base, sending=False, timeout_s=10)
     sender.buffer_fd = os.open(base, os.O_RDWR | os.O_CREAT, 0o600)
     receiver.buffer_fd = os.open(base, os.O_RDWR)
     receiver.filled_fd, sender.filled_fd = os.pipe()
@@ -176,7 +178,9 @@ def test_a_channel_wraps_its_ring_and_grows_in_place(tmp_path):
             out = torch.empty(size)
             receiver.recv(out, peer=0)
             assert torch.equal(out, t)
-    assert os.fstat(sender.buffer_fd).st_size == shared_memory_p2p.SLOTS * 3 * 4096  # 12000 bytes -> 3 pages
+    # One ring per size that grew it, each after the last: 5 floats, then 3000 (whole pages each).
+    pages = [-(-n // mmap.PAGESIZE) * mmap.PAGESIZE for n in (5 * 4, 3000 * 4)]
+    assert os.fstat(sender.buffer_fd).st_size == shared_memory_p2p.SLOTS * sum(pages)
     sender.close(), receiver.close()
 
 
@@ -189,3 +193,70 @@ def test_a_full_shared_memory_folder_is_a_clear_error_not_a_sigbus(tmp_path, moc
     ):
         sender.send(torch.ones(4), peer=1)
     sender.close(), receiver.close()
+
+
+def test_a_larger_message_while_the_ring_is_full_of_unread_ones_does_not_wait(tmp_path):
+    sender, receiver = _channel_pair(tmp_path)
+    small = [torch.randn(5) for _ in range(shared_memory_p2p.SLOTS - 1)]
+    for t in small:
+        sender.send(t, peer=1)
+    big = torch.randn(5000)
+    sender.send(big, peer=1)  # one thread: waiting for the receiver here would never return
+    for t in [*small, big]:
+        out = torch.empty(t.shape)
+        receiver.recv(out, peer=0)
+        assert torch.equal(out, t)
+    sender.close(), receiver.close()
+
+
+def _finished_sender(rank, world):
+    p2p = _communicator()
+    if rank == 0:
+        p2p.send_forward(torch.ones(3, 2, 8))
+        p2p._shared_memory.close()  # a sender that has finished its work and exited
+        dist.barrier()
+        return None
+    dist.barrier()
+    return float(p2p.recv_forward((3, 2, 8)).detach().sum())  # handing the buffer back finds no one
+
+
+def test_a_message_from_a_sender_that_already_exited_is_still_received():
+    assert run_world(_finished_sender, 2) == [None, 48.0]
+
+
+def _silent_neighbour(rank, world):
+    from datetime import timedelta
+
+    p2p = _communicator(dist.new_group([0, 1], timeout=timedelta(seconds=2)))
+    if rank == 1:
+        with pytest.raises(RuntimeError, match=r"nothing from rank 0 in 0\.0333333 minutes \(timed out"):
+            p2p.recv_forward((3, 2, 8))
+    dist.barrier()  # rank 0 stays alive and silent until then
+    return rank
+
+
+def test_a_neighbour_that_sends_nothing_times_out_as_gloo_would():
+    assert run_world(_silent_neighbour, 2, timeout=60) == [0, 1]
+
+
+def _released(rank, world):
+    from megatron_lite.core import parallel_state as ps
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=world)
+    channels = _communicator(ps.get_pipeline_model_parallel_group())._shared_memory
+    fds = [c.filled_fd for c in channels.incoming.values()]
+    ps.destroy_model_parallel()
+    return [c.filled_fd for c in channels.incoming.values()], [_fd_open(fd) for fd in fds]
+
+
+def _fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def test_destroying_the_groups_closes_their_channels():
+    for fds_after, still_open in run_world(_released, 2):
+        assert fds_after == [-1] and still_open == [False]

@@ -295,6 +295,11 @@ def destroy_model_parallel() -> None:
     _OVERRIDES.clear()
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
+    # The pipeline p2p channels set up per group go with the groups (file descriptors, /dev/shm);
+    # imported here because the pipeline package imports this module.
+    from megatron_lite.core.pipeline_parallel.shared_memory_p2p import release_shared_memory_channels
+
+    release_shared_memory_channels()
 
 
 def _state() -> _ParallelState:

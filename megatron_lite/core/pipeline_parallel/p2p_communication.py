@@ -76,7 +76,7 @@ class P2PCommunicator:
         pending = getattr(self, "_pending_sends", [])  # none in a subclass that skips __init__
         for request, _ in pending:
             request.wait()
-        pending.clear()
+        pending.clear()  # (a send through shared memory is complete once copied: nothing to wait for)
 
     @property
     def is_pp_first_stage(self) -> bool:
@@ -134,7 +134,8 @@ class P2PCommunicator:
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.pp_group))
         shm = getattr(self, "_shared_memory", None)  # none in a subclass that skips __init__
         if ops and shm is not None:
-            # Sends first: they block only on a full ring, so receiving after them cannot deadlock.
+            # Sends first: they wait only while a ring's buffers are all unread (a gloo exchange
+            # waits for all of its previous sends), so receiving after them cannot deadlock.
             for op in sorted(ops, key=lambda op: op.op is not dist.isend):
                 if op.op is dist.isend:
                     shm.outgoing[op.peer].send(op.tensor, op.peer)
