@@ -1,8 +1,8 @@
 """bench/pipeline_vs_torch_pipelining.py's speed sections: whole training steps, alternated.
 
 ``measure`` (on every worker) times, round by round in one world: ours at pp 4 (and over gloo's
-sockets instead of shared memory), the peer's Schedule1F1B at pp 4, our single process (pp 1, all cores) and the same process on one thread (half
-of it is the two-core ideal), ours with --defer-embedding-wgrad-compute, ours and
+sockets instead of shared memory), the peer's Schedule1F1B at pp 4, our single process (pp 1, all
+cores) and the same process on one thread (half of it is the two-core ideal), ours with --defer-embedding-wgrad-compute, ours and
 ScheduleInterleaved1F1B with vp 2, ours and Schedule1F1B on a 3-2-2-1 layer split (the last stage
 also runs the output layer), and ours on that split with --defer-embedding-wgrad-compute; then ours with bf16 against fp32 (a quarter of the rounds: bf16 can
 be many times slower); then the scaling grid (pp x microbatches). ``report``

@@ -13,8 +13,8 @@ assignment: chunk c of rank r holds layer c * pp + r, torch's stage index c * pp
 comparison run identically built stage modules (untied embeddings, so neither pays for an embedding
 all-reduce) on the same data, are checked to give the same first-iteration loss, and are alternated
 round by round. Ours moves activations and gradients between its stages through shared memory (all
-ranks on one host, as pretrain.py's workers do), the peer through gloo's sockets. Prints the median ms per global-batch forward-backward for each, their ratio, and each
-stage's peak bytes of activations saved for backward (measured by megatron_lite's
+ranks on one host, as pretrain.py's workers do), the peer through gloo's sockets. Prints the median
+ms per global-batch forward-backward for each, their ratio, and each stage's peak bytes of activations saved for backward (measured by megatron_lite's
 ActivationMemoryTracker around each schedule); for the interleaved schedule also the in-flight
 microbatch-chunk counts our schedule predicts per rank and the stage-0 peak over plain 1F1B's beside
 Megatron's interleaving factor 1 + (pp - 1) / (pp * vp).

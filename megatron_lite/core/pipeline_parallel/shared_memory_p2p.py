@@ -16,8 +16,8 @@ both sides move to a new ring after the old one in the file (messages still in t
 so growing never waits). A peer that exits closes its ends of the FIFOs, so its neighbours' next
 receive or send raises instead of waiting forever (a message its sender left before exiting is still
 received whole); a peer that is alive but sends nothing fails a receive after the group's timeout
-(--distributed-timeout-minutes), as gloo would. Names in the shared-memory folder live only while the group sets up: once every rank has
-opened its neighbours' ends, each rank unlinks the names it made.
+(--distributed-timeout-minutes), as gloo would. Names in the shared-memory folder live only while the
+group sets up: once every rank has opened its neighbours' ends, each rank unlinks the names it made.
 
 ``MEGATRON_LITE_P2P_SHARED_MEMORY=0`` keeps gloo's sockets.
 """
