@@ -26,8 +26,8 @@ def _channel_names(p2p) -> list[str]:
     """The names in the shared-memory folder of this communicator's group."""
     if p2p._shared_memory is None:
         return []
-    token = next(iter(p2p._shared_memory.outgoing.values())).base.split("_")[-3]
-    return glob.glob(os.path.join(shared_memory_p2p.shared_memory_folder(), f"megatron_lite_p2p_{token}_*"))
+    folder, token = shared_memory_p2p.shared_memory_folder(), p2p._shared_memory.token
+    return glob.glob(os.path.join(folder, f"megatron_lite_p2p_{token}_*"))
 
 
 def _relay(rank, world, switched_off):

@@ -159,15 +159,15 @@ def _write(fd: int, data: bytes, peer: int) -> None:
         raise RuntimeError(_peer_gone(peer)) from None
 
 
-def _blocking(fd: int) -> int:
+def _blocking(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    return fd
 
 
 class SharedMemoryChannels:
     """This rank's channels to and from its neighbours ``peers`` (global ranks) in one group."""
 
     def __init__(self, token: str, rank: int, peers, timeout_s: float):
+        self.token = token  # in every name of this group's channels
         folder = shared_memory_folder()
         name = lambda src, dst: os.path.join(folder, f"megatron_lite_p2p_{token}_{src}_{dst}")  # noqa: E731
         self.outgoing = {p: _Channel(name(rank, p), True, timeout_s) for p in peers}
@@ -205,7 +205,8 @@ class SharedMemoryChannels:
         """Every rank has opened every end: the names can go, and reads and writes block from now on."""
         self.unlink_made()
         for c in [*self.outgoing.values(), *self.incoming.values()]:
-            _blocking(c.filled_fd), _blocking(c.free_fd)
+            for fd in (c.filled_fd, c.free_fd):
+                _blocking(fd)
 
     def unlink_made(self) -> None:
         for path in self._made:
