@@ -40,9 +40,9 @@ def worker_main(argv: list[str]) -> int:
 
     from megatron_lite.training.checkpointing import CheckpointError
     from megatron_lite.training.gpt_step import forward_step
+    from megatron_lite.training.memory.postmortem import OutOfMemoryPostMortem
     from megatron_lite.training.pretrain import pretrain
     from megatron_lite.training.state import LoggerStartupError
-    from megatron_lite.training.utils.oom_postmortem import OutOfMemoryPostMortem
 
     try:
         pretrain(config, forward_step)
@@ -65,7 +65,7 @@ def worker_main(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if "--memory-preflight" in argv:  # a prediction only: no worker, no file
-        from megatron_lite.training.memory_preflight import main as preflight
+        from megatron_lite.training.memory.preflight import main as preflight
 
         return preflight(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -9,7 +9,7 @@ the distributed optimizer at dp = 2, bf16, and a Llama-shaped, a context-paralle
 recomputed run; --distribute-saved-activations at pp = 1 only (with pp > 1 training fails: a known bug). Measured: peak saved activations and optimizer state from the run's per-stage
 TensorBoard events, weights and gradient buffers from the tensors (TP rank 0 / DP rank 0 of each
 stage). Predicted: the ``memory/pp-stage-<i>/predicted-*`` values the run logged at start
-(megatron_lite/training/utils/theoretical_memory.py). Prints one row per layout and stage, MB = 1e6 bytes.
+(megatron_lite/training/memory/predict/stages.py). Prints one row per layout and stage, MB = 1e6 bytes.
 """
 
 from __future__ import annotations

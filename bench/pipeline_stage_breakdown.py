@@ -119,7 +119,7 @@ def _install(clock: _Clock, path: Path) -> None:
     clock.wrap(opt, "clip_grad_by_total_norm_fp32", "clip")
     clock.wrap(torch.optim.AdamW, "step", "adam")
     clock.wrap(training, "training_log", "logging")
-    clock.wrap(training, "_memory_metrics", "logging")
+    clock.wrap(training, "memory_metrics", "logging")
     step = training.train_step
     rank = os.environ["RANK"]
 

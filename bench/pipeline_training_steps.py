@@ -7,7 +7,7 @@ clip and ``torch.optim.AdamW`` step a torch.distributed.pipelining user writes (
 no tracker). Every contender runs on a prefix of one world's ranks (its own pipeline group, built
 here): the others wait in a barrier, which takes no CPU (gloo blocks). Sharing processes, every
 contender runs with glibc's default malloc settings, as a torch.distributed.pipelining user's would:
-pretrain.py's workers keep freed host memory instead (training/utils/host_allocator.py), which
+pretrain.py's workers keep freed host memory instead (training/memory/host_allocator.py), which
 bench/pipeline_stage_breakdown.py's page-fault and kernel columns show. Ours sends activations and
 gradients between its stages through shared memory (core/pipeline_parallel/shared_memory_p2p.py, as
 pretrain.py's workers do on one host), the peer through gloo's sockets; ``ours(..., sockets=True)``

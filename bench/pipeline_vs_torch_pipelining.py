@@ -61,8 +61,8 @@ from megatron_lite.core.process_groups_config import ProcessGroupCollection  # n
 from megatron_lite.models.gpt_provider import GPTModelProvider  # noqa: E402
 from megatron_lite.training.config import ConfigContainer  # noqa: E402
 from megatron_lite.training.gpt_step import forward_step  # noqa: E402
+from megatron_lite.training.memory.saved_tensors import ActivationMemoryTracker  # noqa: E402
 from megatron_lite.training.state import GlobalState  # noqa: E402
-from megatron_lite.training.utils.activation_memory import ActivationMemoryTracker  # noqa: E402
 
 PP, LAYERS, HEADS, MBS, GBS = 4, 8, 8, 2, 16
 MICROBATCHES = GBS // MBS

@@ -23,8 +23,8 @@ from megatron_lite.training.arguments import parse_args
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.forward_step_func_types import prepare_forward_step_func
 from megatron_lite.training.gpt_step import forward_step
+from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 from megatron_lite.training.state import GlobalState
-from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage
 
 SEQ, MBS, MICROBATCHES, LAYERS, HIDDEN, VOCAB = 32, 2, 4, 4, 64, 256
 

@@ -29,7 +29,7 @@ def _world(rank, world_size):
     from megatron_lite.core.distributed import DistributedDataParallel
     from megatron_lite.core.optimizer import MegatronOptimizer, OptimizerConfig
     from megatron_lite.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron_lite.training.utils.memory_utils import OPTIMIZER_STATE_MEMORY, report_memory
+    from megatron_lite.training.memory.report import OPTIMIZER_STATE_MEMORY, report_memory
 
     group = dist.new_group(list(range(world_size)))
     out = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lite.training.utils import host_allocator
+from megatron_lite.training.memory import host_allocator
 
 REPO = Path(__file__).resolve().parent.parent
 glibc_only = pytest.mark.skipif(
@@ -52,7 +52,7 @@ def _returned_on_free(setup: str, env: dict | None = None) -> int:
 @glibc_only
 def test_freed_block_stays_in_the_process():
     tuned = """
-    from megatron_lite.training.utils.host_allocator import keep_freed_host_memory
+    from megatron_lite.training.memory.host_allocator import keep_freed_host_memory
     assert keep_freed_host_memory()
     """
     assert _returned_on_free("") >= 16 * 2**20  # glibc's defaults: the block goes back at once

@@ -43,10 +43,11 @@ def _train_recording_reports(rank, world, argv):
     import megatron_lite.training.training as training
     from megatron_lite.training.arguments import parse_args
     from megatron_lite.training.gpt_step import forward_step
+    from megatron_lite.training.memory import pipeline
     from megatron_lite.training.pretrain import pretrain
 
     recorded, collectives = [], []
-    real_report, real_metrics = training.report_memory, training._memory_metrics
+    real_report, real_metrics = pipeline.report_memory, training.memory_metrics
 
     def recording(memory_keys=None):
         report = real_report(memory_keys)
@@ -74,7 +75,7 @@ def _train_recording_reports(rank, world, argv):
             collectives.append(calls[0])
         return metrics
 
-    training.report_memory, training._memory_metrics = recording, counting
+    pipeline.report_memory, training.memory_metrics = recording, counting
     pretrain(parse_args(argv), forward_step)
     assert not dist.is_initialized()
     return recorded, collectives
@@ -84,18 +85,17 @@ def _train_with_fake_cuda_stats(rank, world, argv):
     """pretrain() on this rank as if on CUDA: the allocator statistics are fakes that differ by rank."""
     import torch
 
-    import megatron_lite.training.training as training
     from megatron_lite.training.arguments import parse_args
     from megatron_lite.training.gpt_step import forward_step
+    from megatron_lite.training.memory import keys, pipeline, report
     from megatron_lite.training.pretrain import pretrain
-    from megatron_lite.training.utils import memory_utils
 
-    stats = {key: (rank + 1) * 10**9 for key in memory_utils.MEMORY_KEYS}
+    stats = {key: (rank + 1) * 10**9 for key in keys.MEMORY_KEYS}
     stats.update({"num_alloc_retries": 5 - rank, "num_ooms": 0, "allocation.all.current": 100 + rank})
     stats["allocated_bytes.all.current"] = (rank + 1) * 10**9 // 2  # half of what is reserved
-    memory_utils._cuda_in_use = lambda: True
+    report._cuda_in_use = lambda: True
     torch.cuda.memory_stats = lambda *a, **k: dict(stats)
-    training.device_memory_capacity_gigabytes = lambda: 80.0
+    pipeline.device_memory_capacity_gigabytes = lambda: 80.0
     pretrain(parse_args(argv), forward_step)
 
 

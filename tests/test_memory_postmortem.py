@@ -12,8 +12,8 @@ import sys
 import pytest
 from dist_helpers import REPO, run_pretrain
 
-from megatron_lite.training.utils import memory_history
-from megatron_lite.training.utils.oom_postmortem import is_out_of_memory
+from megatron_lite.training.memory import snapshots as memory_history
+from megatron_lite.training.memory.postmortem import is_out_of_memory
 
 PP = 4
 MODEL = (

@@ -16,8 +16,8 @@ from megatron_lite.models.gpt_provider import GPTModelProvider
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.forward_step_func_types import prepare_forward_step_func
 from megatron_lite.training.gpt_step import forward_step
+from megatron_lite.training.memory.saved_tensors import ActivationMemoryTracker
 from megatron_lite.training.state import GlobalState
-from megatron_lite.training.utils.activation_memory import ActivationMemoryTracker
 
 SEQ, MBS = 32, 2
 

@@ -12,7 +12,7 @@ from megatron_lite.core.distributed.finalize_model_grads import _allreduce_non_t
 from megatron_lite.core.models.gpt.gpt_model import GPTModel
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-from megatron_lite.training.utils.activation_memory import ActivationMemoryTracker
+from megatron_lite.training.memory.saved_tensors import ActivationMemoryTracker
 
 SEQ, VOCAB = 16, 128
 

@@ -7,8 +7,8 @@ import torch.distributed
 from dist_helpers import run_world
 
 from megatron_lite.core.utils import get_collective_device
+from megatron_lite.training.memory.saved_tensors import ActivationMemoryTracker
 from megatron_lite.training.utils import train_utils
-from megatron_lite.training.utils.activation_memory import ActivationMemoryTracker
 from megatron_lite.training.utils.train_utils import (
     MEMORY_KEYS,
     gather_memory_across_pp_group,
@@ -216,7 +216,7 @@ def test_cuda_allocator_health_fragmentation_and_retries_since_the_last_report(m
 
 
 def test_weights_and_grads_are_measured_from_the_tensors_each_storage_once():
-    from megatron_lite.training.utils.memory_attribution import grads_bytes, weights_bytes
+    from megatron_lite.training.memory.attribution import grads_bytes, weights_bytes
 
     class Chunk(torch.nn.Module):
         def __init__(self):
@@ -235,7 +235,7 @@ def test_weights_and_grads_are_measured_from_the_tensors_each_storage_once():
 
 
 def test_other_is_the_total_minus_the_measured_parts():
-    from megatron_lite.training.utils.memory_attribution import other_memory_stats
+    from megatron_lite.training.memory.attribution import other_memory_stats
 
     parts = {"weights_bytes.current": 10, "grads_bytes.current": 20, "optimizer_state_bytes.current": 30}
     stats = {"rss_bytes.current": 500, "rss_bytes.peak": 900, "activation_bytes.current": 5}
@@ -250,7 +250,7 @@ def test_other_is_the_total_minus_the_measured_parts():
 
 
 def test_stage_slots_carry_every_stage_headline_through_one_max():
-    from megatron_lite.training.utils.pipeline_memory import (
+    from megatron_lite.training.memory.pipeline import (
         peak_stage_metrics,
         split_stage_slots,
         with_stage_slots,
@@ -269,16 +269,16 @@ def test_stage_slots_carry_every_stage_headline_through_one_max():
 
 
 def _memory_metrics_with_growing_retries(rank, world):
-    from megatron_lite.training import training
+    from megatron_lite.training.memory import pipeline
 
     logger = type("Logger", (), {"log_memory_to_tensorboard": True, "tensorboard_log_interval": 1})()
     logger.memory_keys, logger.log_memory_per_pp_stage = None, False
-    training.report_memory = lambda keys: {
+    pipeline.report_memory = lambda keys: {
         "mem-max-allocated-gigabytes": 1.0 + rank,
         "mem-alloc-retries-delta": 3,
     }
-    training.device_memory_capacity_gigabytes = lambda: None
-    return training._memory_metrics(logger, 1, torch.distributed.group.WORLD)
+    pipeline.device_memory_capacity_gigabytes = lambda: None
+    return pipeline.memory_metrics(logger, 1, torch.distributed.group.WORLD)
 
 
 def test_growing_allocator_retries_print_one_hint_on_the_writer(capfd):

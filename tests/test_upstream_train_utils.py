@@ -63,7 +63,7 @@ def test_memory_keys_are_upstreams_in_order():
 
 
 def test_cuda_report_has_upstream_names_then_our_extras(mocker):
-    from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
+    from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
 
     mocker.patch.object(ACTIVATION_MEMORY, "tracking", True)  # as after a tracked (reported) step
     mocker.patch("torch.cuda.is_available", return_value=True)

@@ -22,7 +22,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron_lite.training.utils.pipeline_memory import HEADLINE_NAMES  # noqa: E402
+from megatron_lite.training.memory.pipeline import HEADLINE_NAMES  # noqa: E402
 
 STAGE_TAG = re.compile(r"^memory/pp-stage-(\d+)/(.+)$")
 PREDICTED = "predicted-"  # predicted-<quantity>-gigabytes sits beside the measured mem-<quantity>-gigabytes

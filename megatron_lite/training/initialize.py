@@ -13,7 +13,7 @@ from megatron_lite.core import parallel_state
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_lite.training.config import ConfigContainer
-from megatron_lite.training.utils.host_allocator import keep_freed_host_memory
+from megatron_lite.training.memory.host_allocator import keep_freed_host_memory
 
 
 def initialize_distributed(config: ConfigContainer) -> None:

@@ -17,10 +17,10 @@ from megatron_lite.data.loaders import build_data_iterator, build_train_valid_da
 from megatron_lite.training import checkpointing
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.initialize import initialize_megatron
+from megatron_lite.training.memory.attribution import MODEL_MEMORY
+from megatron_lite.training.memory.report import OPTIMIZER_STATE_MEMORY
+from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
 from megatron_lite.training.state import GlobalState
-from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
-from megatron_lite.training.utils.memory_attribution import MODEL_MEMORY
-from megatron_lite.training.utils.memory_utils import OPTIMIZER_STATE_MEMORY
 
 
 @dataclass

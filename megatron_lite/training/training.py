@@ -14,32 +14,20 @@ from megatron_lite.training import checkpointing
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.eval import evaluate_and_print_results
 from megatron_lite.training.forward_step_func_types import prepare_forward_step_func
+from megatron_lite.training.memory.pipeline import memory_metrics
+from megatron_lite.training.memory.predict.stages import predict_memory_per_stage, predicted_memory_metrics
+from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
+from megatron_lite.training.memory.snapshots import dump_memory_snapshot
 from megatron_lite.training.profiling import (
     handle_profiling_step,
     handle_profiling_stop,
     initialize_pytorch_profiler,
     should_profile_rank,
 )
-from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
 from megatron_lite.training.utils.flop_utils import num_floating_point_operations
 from megatron_lite.training.utils.loss_reduction import accumulate_loss_reports, reduce_loss_reports
-from megatron_lite.training.utils.memory_history import dump_memory_snapshot
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
-from megatron_lite.training.utils.pipeline_memory import (
-    headline_name,
-    peak_stage_metrics,
-    split_stage_slots,
-    with_stage_slots,
-)
-from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage, predicted_memory_metrics
-from megatron_lite.training.utils.train_utils import (
-    device_memory_capacity_gigabytes,
-    gather_memory_across_pp_group,
-    print_rank_last,
-    reduce_max_memory_across_pp_group,
-    report_memory,
-    training_log,
-)
+from megatron_lite.training.utils.train_utils import print_rank_last, training_log
 
 __all__ = ["train", "train_step", "training_log"]
 
@@ -93,42 +81,6 @@ def train_step(
         grad_norm,
         num_zeros,
     )
-
-
-def _memory_metrics(lg, iteration: int, pp_group) -> dict[str, float] | None:
-    """This step's ``memory/*`` metrics: every key's max over the pipeline stages, which stage holds the
-    headline peak (``memory/peak-stage``) and the spread (``memory/pp-imbalance``), and with
-    --log-memory-per-pp-stage each stage's own value; None when memory is not logged this step.
-    Collective over ``pp_group``: every PP rank calls it, before training_log's writer-gated block.
-    Exactly one collective: the all-gather, or the MAX all-reduce with one headline slot per stage."""
-    if not (lg.log_memory_to_tensorboard and iteration % lg.tensorboard_log_interval == 0):
-        return None
-    local_report = report_memory(lg.memory_keys)
-    metrics: dict[str, float] = {}
-    num_stages = dist.get_world_size(pp_group) if pp_group is not None else 1
-    if lg.log_memory_per_pp_stage:
-        peak, stages = gather_memory_across_pp_group(local_report, pp_group)
-        for stage, report in enumerate(stages):
-            metrics.update({f"memory/pp-stage-{stage}/{k}": v for k, v in report.items()})
-        name = headline_name(local_report)
-        stage_values = [s[name] for s in stages] if name else None
-    else:
-        slotted = with_stage_slots(local_report, dist.get_rank(pp_group) if num_stages > 1 else 0, num_stages)
-        peak, stage_values = split_stage_slots(
-            reduce_max_memory_across_pp_group(slotted, pp_group), num_stages
-        )
-    metrics.update({f"memory/{k}": v for k, v in peak.items()})
-    if stage_values:
-        metrics.update(peak_stage_metrics(stage_values))
-    if (capacity := device_memory_capacity_gigabytes()) is not None:
-        metrics["memory/capacity-gigabytes"] = capacity
-    if (retries := peak.get("mem-alloc-retries-delta", 0)) > 0:
-        print_rank_last(
-            f" memory: the CUDA caching allocator retried {retries} allocations since the last log (it had"
-            " to free its cache to find memory: fragmented or close to OOM); consider"
-            " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or more recomputation"
-        )
-    return metrics
 
 
 def _rank(group) -> int:
@@ -201,7 +153,7 @@ def train(forward_step_func, setup_output) -> None:
             params_norm = s.optimizer.get_params_norm() if config.logger.log_params_norm else None
             # Memory: collective over the pipeline group on EVERY PP rank, here, before training_log's
             # loggers_exist-gated block (only the last rank has loggers; the peak is on stage 0).
-            memory_report = _memory_metrics(config.logger, ts.step, s.pg_collection.pp)
+            memory_report = memory_metrics(config.logger, ts.step, s.pg_collection.pp)
             report_memory_flag = training_log(
                 loss_dict,
                 total_loss_dict,

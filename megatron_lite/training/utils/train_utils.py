@@ -1,6 +1,6 @@
 """Upstream's training-loop helpers: training_log, the throughput/runtime/grad-norm reports and
 parameter norms; the memory reports and forward-step state injection are re-exported from their
-own modules (memory_utils, forward_step_func_types), where upstream keeps them here.
+own modules (training/memory/, forward_step_func_types), where upstream keeps them here.
 
 Module-level names (``get_num_microbatches``, ``print_rank_last``, ``report_memory``, ...) are looked
 up at call time, as upstream's, so code and tests written against upstream can patch them here.
@@ -20,7 +20,25 @@ from megatron_lite.training.forward_step_func_types import (
     needs_global_state_injection,
     prepare_forward_step_func,
 )
-from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
+from megatron_lite.training.memory.keys import (
+    ACTIVATION_MEMORY_KEYS,
+    CUDA_EXTRA_MEMORY_KEYS,
+    HOST_MEMORY_KEYS,
+    MEMORY_KEYS,
+)
+from megatron_lite.training.memory.pipeline import (
+    gather_memory_across_pp_group,
+    memory_metrics,
+    reduce_max_memory_across_pp_group,
+)
+from megatron_lite.training.memory.predict.estimate import report_theoretical_memory
+from megatron_lite.training.memory.report import (
+    default_memory_keys,
+    device_memory_capacity_gigabytes,
+    format_memory_line,
+    report_memory,
+)
+from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
 from megatron_lite.training.utils.interval_log import (
     ADVANCED,
     SKIPPED,
@@ -28,20 +46,7 @@ from megatron_lite.training.utils.interval_log import (
     iteration_line,
     timer_names,
 )
-from megatron_lite.training.utils.memory_utils import (
-    ACTIVATION_MEMORY_KEYS,
-    CUDA_EXTRA_MEMORY_KEYS,
-    HOST_MEMORY_KEYS,
-    MEMORY_KEYS,
-    default_memory_keys,
-    device_memory_capacity_gigabytes,
-    format_memory_line,
-    gather_memory_across_pp_group,
-    reduce_max_memory_across_pp_group,
-    report_memory,
-)
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
-from megatron_lite.training.utils.theoretical_memory_utils import report_theoretical_memory
 from megatron_lite.utils.common_utils import get_rank_safe, get_world_size_safe
 
 __all__ = [
@@ -300,11 +305,17 @@ def training_log(
         _write_timers(timers, timers_to_log, writer, iteration, total_iterations)
 
     # Memory: reduced over the pipeline on EVERY rank before the writer-gated block below (only the
-    # last rank has loggers, while the peak usually lives on the first stage).
+    # last rank has loggers, while the peak usually lives on the first stage). The loop's own code
+    # path, the max only (as upstream), with this module's report and reduce (patchable here).
     if memory_report is None and lg.log_memory_to_tensorboard and tb_step:
-        memory_report = report_memory(memory_keys=lg.memory_keys)
-        memory_report = reduce_max_memory_across_pp_group(memory_report, pg_collection.pp)
-        memory_report = {f"memory/{name}": value for name, value in memory_report.items()}
+        memory_report = memory_metrics(
+            lg,
+            iteration,
+            pg_collection.pp,
+            per_stage=False,
+            report_fn=report_memory,
+            reduce_fn=reduce_max_memory_across_pp_group,
+        )
 
     if loggers_exist and tb_step:
         seq = seq_length if seq_length is not None else _seq_length(config)

@@ -7,7 +7,7 @@ rank 0 (every TP rank holds the same bytes: the layers split evenly) and data-pa
 parallel rank ``dp_rank`` (0 by default; DP ranks differ only in the distributed optimizer's shard,
 by a few parameter pieces and the bucket padding).
 
-Weights, gradients, optimizer (theoretical_param_memory): the parameters of each model chunk from
+Weights, gradients, optimizer (predict/params.py): the parameters of each model chunk from
 the real layer assignment (``get_num_layers_to_build``, vp included), the embedding on chunk 0 of
 rank 0, the final norm and output layer on the last chunk of the last rank (with tied embeddings and
 pp > 1 the last stage builds its own copy), in the params' dtype (bf16 with --bf16); gradients in
@@ -15,7 +15,7 @@ DDP's fp32 buffers, padded per bucket to a multiple of dp x cp under the distrib
 fp32 exp_avg and exp_avg_sq, a 4-byte ``step`` scalar per parameter and fp32 masters of bf16 params,
 over the whole parameters or, with --use-distributed-optimizer, over the pieces of this rank's shards.
 
-Activations (theoretical_activation_memory), counted as what OUR autograd saves, op by op, per layer
+Activations (predict/activations.py), counted as what OUR autograd saves, op by op, per layer
 and microbatch, for t = s b / cp tokens, t' = t / tp under sequence parallelism (else t), element
 size e (2 with bf16, 4 without), heads a and query groups g per TP rank, head size d, MLP width f per
 TP rank (fc1 2f when gated) and the CPU flash attention kernel:
@@ -73,7 +73,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_lite.core.transformer.transformer_block import get_num_layers_to_build
-from megatron_lite.training.utils.theoretical_activation_memory import (
+from megatron_lite.training.memory.predict.activations import (
     chunk_activations,
     deferred_wgrad_bytes,
     layer_saves,
@@ -81,7 +81,8 @@ from megatron_lite.training.utils.theoretical_activation_memory import (
     schedule_events,
     schedule_peak,
 )
-from megatron_lite.training.utils.theoretical_param_memory import chunk_bounds, param_memory
+from megatron_lite.training.memory.predict.params import chunk_bounds, param_memory
+from megatron_lite.training.memory.report import gigabytes
 
 __all__ = ["StageMemoryPrediction", "predict_memory_per_stage", "predicted_memory_metrics"]
 
@@ -183,10 +184,8 @@ PREDICTED_KEYS = {
 def predicted_memory_metrics(predictions: list[StageMemoryPrediction]) -> dict[str, float]:
     """``{"memory/pp-stage-<i>/predicted-*-gigabytes": GB}`` (1e9 bytes, 5 significant digits, as the
     measured keys) for every stage."""
-    from megatron_lite.training.utils.memory_utils import _gigabytes
-
     return {
-        f"memory/pp-stage-{p.pp_rank}/{name}": _gigabytes(getattr(p, attr))
+        f"memory/pp-stage-{p.pp_rank}/{name}": gigabytes(getattr(p, attr))
         for p in predictions
         for attr, name in PREDICTED_KEYS.items()
     }

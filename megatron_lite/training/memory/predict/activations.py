@@ -1,6 +1,6 @@
 """Predicted saved-for-backward bytes of one layer, one model chunk and one pipeline rank's step.
 
-What each op of our model saves is derived in theoretical_memory's docstring; here it is counted as
+What each op of our model saves is derived in predict/stages.py's docstring; here it is counted as
 storages (a dict of named byte counts, a storage shared by several saved tensors counted once, as
 the ActivationMemoryTracker counts them). :func:`chunk_activations` gives a chunk-microbatch's kept
 bytes after its forward and the most it holds during its backward (recomputation re-saves one unit);

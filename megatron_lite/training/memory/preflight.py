@@ -3,7 +3,7 @@
     python pretrain.py ... --memory-preflight --device-memory-gb 80
 
 Builds no world and trains nothing: predicts each pipeline stage's weights, gradients, optimizer state
-and peak activations for the layout as given (theoretical_memory.py), prints them beside the device's
+and peak activations for the layout as given (predict/stages.py), prints them beside the device's
 memory, names the first stage expected to run out, and searches the memory levers for the cheapest
 change that makes every stage fit. Exit 0 when it fits, 1 when it does not, 2 on bad input.
 
@@ -173,7 +173,7 @@ def format_table(predictions, capacity_gb: float) -> str:
 
 def preflight(argv: list[str], capacity_gb: float, out=sys.stdout) -> int:
     """Print the prediction and verdict for ``argv`` (pretrain.py's flags without the preflight's)."""
-    from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage
+    from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 
     config = _config(argv)
     m = config.model

@@ -12,14 +12,6 @@ from __future__ import annotations
 
 import torch
 
-# Statistic key -> logged name, the convention of memory_utils (bytes become gigabytes when logged).
-ATTRIBUTION_MEMORY_KEYS: dict[str, str] = {
-    "weights_bytes.current": "mem-weights-bytes",
-    "grads_bytes.current": "mem-grads-bytes",
-    "other_bytes.current": "mem-other-bytes",
-    "other_bytes.peak": "mem-max-other-bytes",
-}
-
 
 def _unique_storage_bytes(tensors) -> int:
     seen: dict[int, int] = {}

@@ -7,21 +7,31 @@ the iteration, the error, its memory report with the attribution (weights, gradi
 activations, other) and the prediction for its stage. It then raises :class:`OutOfMemoryPostMortem`,
 whose one line (stage and file) is what the launcher prints; the other ranks fail on the broken
 connections and are stopped. Nothing here is collective: the other ranks cannot take part.
+:func:`out_of_memory_postmortem` wraps pretrain()'s set-up and loop to do so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
-from megatron_lite.training.utils.activation_memory import ACTIVATION_MEMORY
+from megatron_lite.core import parallel_state
+from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
+from megatron_lite.training.memory.report import report_memory
+from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
+from megatron_lite.training.memory.snapshots import dump_memory_snapshot, oom_snapshot_path
 from megatron_lite.training.utils.atomic_io import atomic_write_bytes
-from megatron_lite.training.utils.memory_utils import report_memory
-from megatron_lite.training.utils.theoretical_memory import predict_memory_per_stage
+
+if TYPE_CHECKING:
+    from megatron_lite.training.config import ConfigContainer
+    from megatron_lite.training.state import GlobalState
 
 
 class OutOfMemoryPostMortem(RuntimeError):
@@ -71,3 +81,25 @@ def write_postmortem(config, rank: int, stage: int, dp_rank: int, iteration: int
     path = os.path.join(directory, f"oom-rank{rank}.json")
     atomic_write_bytes(path, lambda f: f.write((json.dumps(record, indent=2) + "\n").encode()))
     return path
+
+
+@contextlib.contextmanager
+def out_of_memory_postmortem(config: ConfigContainer, state: GlobalState):
+    """Turn this rank's out-of-memory error into a post-mortem file and OutOfMemoryPostMortem."""
+    try:
+        yield
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        stage, dp_rank = (
+            (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank(True))
+            if parallel_state.model_parallel_is_initialized()
+            else (0, 0)
+        )
+        iteration = state.train_state.step + 1  # the one that was running
+        p = config.profiling
+        if p is not None and p.record_memory_history:
+            dump_memory_snapshot(oom_snapshot_path(p.memory_snapshot_path, rank))
+        path = write_postmortem(config, rank, stage, dp_rank, iteration, err)
+        raise OutOfMemoryPostMortem(rank, stage, iteration, path, short_error(err)) from err
