@@ -3,9 +3,13 @@
 
     python bench/memory_logging_overhead.py [--iters 20] [--pairs 3]
 
-1. End to end: `pretrain.py --pipeline-model-parallel-size 4` (the demo model, CPU) writing TensorBoard
-   every iteration, with and without `--log-memory-to-tensorboard`, alternated in pairs; median elapsed
-   time per iteration from the iteration lines (first two iterations skipped).
+1. End to end: `pretrain.py --pipeline-model-parallel-size 4` (the demo model, CPU), alternated in
+   rounds; median elapsed time per iteration from the iteration lines (first two iterations skipped,
+   where the memory trackers always run):
+   - a reported iteration: TensorBoard every iteration, with and without `--log-memory-to-tensorboard`
+     (with it, every iteration runs the saved-tensor and allocated-bytes trackers and the collective);
+   - an unreported iteration: TensorBoard every 10 iterations, with and without memory logging, timed
+     on the iterations that are not logged (no tracker, no collective: within noise of none).
 2. The pieces, in a 4-process gloo world: report_memory(), the one bulk float64 MAX all-reduce of the
    whole report, and the alternative of one all-reduce per key.
 """
@@ -40,7 +44,9 @@ ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): (
 PP, REPS = 4, 200
 
 
-def iteration_ms(extra: list[str], iters: int) -> float:
+def iteration_ms(extra: list[str], iters: int, unreported_of: int | None = None) -> float:
+    """Median ms per iteration after the first two; with ``unreported_of`` N only the iterations that
+    are not multiples of N (the unlogged ones)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(
             [
@@ -57,7 +63,11 @@ def iteration_ms(extra: list[str], iters: int) -> float:
             text=True,
             check=True,
         ).stdout
-    times = [float(ms) for it, ms in ELAPSED.findall(out) if int(it) > 2]
+    times = [
+        float(ms)
+        for it, ms in ELAPSED.findall(out)
+        if int(it) > 2 and (unreported_of is None or int(it) % unreported_of)
+    ]
     return statistics.median(times)
 
 
@@ -104,17 +114,25 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
 
-    without, with_memory = [], []
+    every = ["--tensorboard-dir", "tb", "--tensorboard-log-interval", "1"]
+    tenth = ["--tensorboard-dir", "tb", "--tensorboard-log-interval", "10"]
+    memory = ["--log-memory-to-tensorboard"]
+    runs = {"reported": ([], []), "unreported": ([], [])}
     for _ in range(args.pairs):
-        # Both write TensorBoard every iteration; only the memory metrics differ.
-        logging = ["--tensorboard-dir", "tb", "--tensorboard-log-interval", "1"]
-        without.append(iteration_ms(logging, args.iters))
-        with_memory.append(iteration_ms([*logging, "--log-memory-to-tensorboard"], args.iters))
-    base, logged = statistics.median(without), statistics.median(with_memory)
-    print(f"pp {PP}, CPU, demo model, {args.iters} iterations x {args.pairs} alternated pairs")
-    print(f"  iteration time without memory logging: {base:8.1f} ms")
-    print(f"  iteration time with memory logging:    {logged:8.1f} ms")
-    print(f"  ratio with / without: {logged / base:.4f} (end to end, includes machine noise)")
+        # Alternated, so drift on the machine falls on both sides of each ratio.
+        runs["reported"][0].append(iteration_ms(every, args.iters))
+        runs["reported"][1].append(iteration_ms([*every, *memory], args.iters))
+        runs["unreported"][0].append(iteration_ms(tenth, args.iters, unreported_of=10))
+        runs["unreported"][1].append(iteration_ms([*tenth, *memory], args.iters, unreported_of=10))
+    print(f"pp {PP}, CPU, demo model, {args.iters} iterations x {args.pairs} alternated rounds")
+    for kind, (without, with_memory) in runs.items():
+        off, on = statistics.median(without), statistics.median(with_memory)
+        spread = max(without) / min(without)
+        print(
+            f"  a {kind:<10} iteration: {off:8.1f} ms without memory logging, {on:8.1f} ms with it: "
+            f"ratio {on / off:.4f} (without's own max/min over rounds: {spread:.4f})"
+        )
+    base = statistics.median(runs["reported"][0])
 
     import socket
 

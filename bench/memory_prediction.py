@@ -9,7 +9,8 @@ the distributed optimizer at dp = 2, bf16, and a Llama-shaped, a context-paralle
 recomputed run; --distribute-saved-activations at pp = 1 only (with pp > 1 training fails: a known bug). Measured: peak saved activations and optimizer state from the run's per-stage
 TensorBoard events, weights and gradient buffers from the tensors (TP rank 0 / DP rank 0 of each
 stage). Predicted: the ``memory/pp-stage-<i>/predicted-*`` values the run logged at start
-(megatron_lite/training/memory/predict/stages.py). Prints one row per layout and stage, MB = 1e6 bytes.
+(megatron_lite/training/memory/predict/stages.py). Prints one row per layout and stage, MB = 1e6 bytes; then the allocated peak (mem-max-allocated,
+temporaries included) measured and predicted on every stage of the seven layouts of the peak's issue.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import tempfile
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [REPO, os.path.join(REPO, "tests")]  # this checkout's megatron_lite, and the test helpers
 
-from memory_measure import QUANTITIES, measure  # noqa: E402
+from memory_measure import PEAK_CASES, QUANTITIES, measure, peak_argv  # noqa: E402
 
 MODEL = (
     "--num-layers 8 --hidden-size 128 --num-attention-heads 8 --seq-length 128 --max-position-embeddings 128 "
@@ -93,7 +94,31 @@ def main() -> int:
                 cells += f"{measured * 1e3:>14.4f} / {predicted * 1e3:<13.4f}{error:>+8.2f}"
             print(f"{name if stage == 0 else '':<32}{stage:>6}{cells}", flush=True)
     print("largest |error| %: " + ", ".join(f"{q} {worst[q]:.2f}" for q in QUANTITIES))
+    peak_cases()
     return 0
+
+
+def peak_cases() -> None:
+    """The allocated peak (mem-max-allocated, temporaries included) of the issue's seven layouts."""
+    print("\nallocated peak per stage (8 layers, hidden 128, seq 64, vocab 8192, mbs 2; MB = 1e6 bytes)")
+    print(f"{'layout':<24}{'stage':>6}{'measured':>11}{'predicted':>11}{'err %':>8}{'static':>9}{'act':>8}")
+    worst = 0.0
+    for name in PEAK_CASES:
+        argv, world = peak_argv(name)
+        with tempfile.TemporaryDirectory() as tmp:
+            os.chdir(tmp)
+            stages = measure(argv, world, os.path.join(tmp, "tb"), quiet=True)
+        for stage, q in enumerate(stages):
+            measured, predicted = q["peak"]
+            error = 100.0 * (predicted - measured) / measured
+            worst = max(worst, abs(error))
+            static = sum(q[k][0] for k in ("weights", "grads", "optimizer"))
+            print(
+                f"{name if stage == 0 else '':<24}{stage:>6}{measured * 1e3:>11.3f}{predicted * 1e3:>11.3f}"
+                f"{error:>+8.2f}{static * 1e3:>9.3f}{q['activations'][0] * 1e3:>8.3f}",
+                flush=True,
+            )
+    print(f"largest |error| of the allocated peak: {worst:.2f}% (the goal: 3%)")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,16 @@ from __future__ import annotations
 from dist_helpers import run_world
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-QUANTITIES = ("weights", "grads", "optimizer", "activations")
+QUANTITIES = ("weights", "grads", "optimizer", "activations", "peak")
 MEASURED_TAGS = {
+    "peak": "mem-max-allocated-gigabytes",
     "weights": "mem-weights-gigabytes",
     "grads": "mem-grads-gigabytes",
     "optimizer": "mem-optimizer-state-gigabytes",
     "activations": "mem-max-activation-gigabytes",
 }
 PREDICTED_TAGS = {
+    "peak": "predicted-max-allocated-gigabytes",
     "weights": "predicted-weights-gigabytes",
     "grads": "predicted-grads-gigabytes",
     "optimizer": "predicted-optimizer-state-gigabytes",
@@ -102,3 +104,40 @@ def measure(argv: list[str], world: int, tb_dir, quiet: bool = False) -> list[di
             measured[q] = r[q] / 1e9
         stages.append({q: (measured[q], last(stage, PREDICTED_TAGS[q])) for q in QUANTITIES})
     return stages
+
+
+# The issue's layouts for the allocated peak: 8 layers, hidden 128, seq 64, vocab 8192, mbs 2, gbs 16
+# (per data-parallel rank). name -> (world size, flags).
+PEAK_MODEL = (
+    "--num-layers 8 --hidden-size 128 --num-attention-heads 8 --seq-length 64 --max-position-embeddings 64 "
+    "--vocab-size 8192 --micro-batch-size 2 --train-iters 2 --log-interval 1"
+).split()
+_FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+_LLAMA = (
+    "--swiglu --normalization RMSNorm --position-embedding-type rope --group-query-attention "
+    "--num-query-groups 4 --untie-embeddings-and-output-weights --disable-bias-linear"
+)
+PEAK_CASES = {
+    "1f1b pp4": (4, "--pipeline-model-parallel-size 4 --global-batch-size 16"),
+    "interleaved pp2 vp2": (
+        2,
+        "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 --global-batch-size 16",
+    ),
+    "full recompute pp2": (2, f"--pipeline-model-parallel-size 2 {_FULL} --global-batch-size 16"),
+    "tp2 pp2 sp": (
+        4,
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel --global-batch-size 16",
+    ),
+    "distopt pp2 dp2": (
+        4,
+        "--pipeline-model-parallel-size 2 --use-distributed-optimizer --global-batch-size 32",
+    ),
+    "llama pp2": (2, f"--pipeline-model-parallel-size 2 {_LLAMA} --global-batch-size 16"),
+    "bf16 pp2": (2, "--pipeline-model-parallel-size 2 --bf16 --global-batch-size 16"),
+}
+
+
+def peak_argv(name: str, *extra: str) -> tuple[list[str], int]:
+    """(pretrain.py's flags, world size) of PEAK_CASES[name], with ``extra`` flags appended."""
+    world, flags = PEAK_CASES[name]
+    return [*PEAK_MODEL, *flags.split(), "--nproc-per-node", str(world), *extra], world

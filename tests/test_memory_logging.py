@@ -130,6 +130,7 @@ def test_cuda_run_dashboard_tags_are_upstreams(tmp_path):
         "mem-grads-gigabytes",
         "mem-other-gigabytes",
         "mem-max-other-gigabytes",
+        "mem-temporaries-gigabytes",  # the allocator's peak less the static parts and saved peak
         "capacity-gigabytes",
         "peak-stage",
         "pp-imbalance",
@@ -138,7 +139,15 @@ def test_cuda_run_dashboard_tags_are_upstreams(tmp_path):
     predicted = [
         f"pp-stage-{stage}/predicted-{q}-gigabytes"
         for stage in range(2)
-        for q in ("weights", "grads", "optimizer-state", "max-activation", "total")
+        for q in (
+            "weights",
+            "grads",
+            "optimizer-state",
+            "max-activation",
+            "total",
+            "temporaries",
+            "max-allocated",
+        )
     ]
     assert sorted(logged) == sorted(f"memory/{name}" for name in upstream + ours + predicted)
     assert logged["memory/mem-max-reserved-gigabytes"] == {1: 2.0, 2: 2.0}  # stage 1's, the larger
@@ -234,11 +243,14 @@ def test_memory_flag_without_dir_logs_to_a_printed_default(tmp_path):
     logdir = tmp_path / line.split("TensorBoard logs:")[1].strip()
     assert logdir.is_dir() and len(list(logdir.glob("events.out.tfevents.*"))) == 1
     assert "memory/mem-max-activation-gigabytes" in scalars(logdir)
-    assert "memory per pipeline stage" in result.stdout
-    # Under the measured row, the prediction, labelled as one, beside the keys it predicts.
-    assert "'pred' rows: theoretical_memory's prediction, not measured" in result.stdout
-    pred = next(ln for ln in result.stdout.splitlines() if ln.startswith("    0 pred "))
-    assert "predicted total" in pred and len(pred.split()) > 4
+    lines = result.stdout.splitlines()
+    title = next(i for i, ln in enumerate(lines) if "memory per pipeline stage (MiB" in ln)
+    assert "pred: predicted" in lines[title]
+    # Short columns, the measured peak beside the predicted one and their error, 120 columns at most.
+    assert lines[title + 1].split() == "stage weights grads optim act temp peak rss pred err%".split()
+    row = lines[title + 2].split()
+    assert row[0] == "0" and len(row) == 10 and abs(float(row[-1])) < 10
+    assert all(len(ln) <= 120 for ln in lines[title : title + 3])
 
 
 def test_logger_that_cannot_start_fails_every_rank_with_one_line(tmp_path):

@@ -32,11 +32,10 @@ def _preflight(tmp_path, argv, device_gb):
 
 
 def _table(stdout: str) -> dict[int, float]:
-    """Stage -> predicted total GB, from the printed table."""
-    rows = re.findall(
-        r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)$", stdout, re.M
-    )
-    return {int(r[0]): float(r[5]) for r in rows}
+    """Stage -> predicted allocated peak in GB, from the printed table."""
+    number = r"\s+(-?[\d.]+(?:e-?\d+)?)"
+    rows = re.findall(r"^\s+(\d+)" + number * 7 + "$", stdout, re.M)
+    return {int(r[0]): float(r[6]) for r in rows}
 
 
 def test_the_readme_cluster_example_fits_an_80_gb_gpu(tmp_path):

@@ -17,7 +17,8 @@ from megatron_lite.data.loaders import build_data_iterator, build_train_valid_da
 from megatron_lite.training import checkpointing
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.initialize import initialize_megatron
-from megatron_lite.training.memory.attribution import MODEL_MEMORY
+from megatron_lite.training.memory.allocated import ALLOCATED_MEMORY
+from megatron_lite.training.memory.attribution import MODEL_MEMORY, static_tensors
 from megatron_lite.training.memory.report import OPTIMIZER_STATE_MEMORY
 from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
 from megatron_lite.training.state import GlobalState
@@ -131,6 +132,8 @@ def setup(state: GlobalState) -> SetupOutput:
         )
     OPTIMIZER_STATE_MEMORY.track(optimizer)  # the memory report measures its state,
     MODEL_MEMORY.track(model)  # and the chunks' weights and gradient buffers
+    # What the allocated-bytes tracker counts as static when it splits its peak into parts.
+    ALLOCATED_MEMORY.track_static(partial(static_tensors, model, optimizer))
     scheduler = get_optimizer_param_scheduler(config, optimizer)
     if config.checkpoint.load:
         checkpointing.load_checkpoint(state, model, optimizer, scheduler, pg_collection)

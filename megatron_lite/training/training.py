@@ -14,6 +14,7 @@ from megatron_lite.training import checkpointing
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.eval import evaluate_and_print_results
 from megatron_lite.training.forward_step_func_types import prepare_forward_step_func
+from megatron_lite.training.memory.allocated import ALLOCATED_MEMORY
 from megatron_lite.training.memory.pipeline import memory_metrics
 from megatron_lite.training.memory.predict.stages import predict_memory_per_stage, predicted_memory_metrics
 from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
@@ -46,11 +47,23 @@ def train_step(
 ):
     """One global batch: forward/backward over all microbatches, then one optimizer step.
 
-    ``track_activation_memory``: count the tensors saved for backward (ACTIVATION_MEMORY); default:
-    when memory is logged (--log-memory-to-tensorboard). train() also tracks the iterations of the
-    console memory line."""
+    ``track_activation_memory``: count the tensors saved for backward (ACTIVATION_MEMORY) and, on the
+    CPU, every tensor's bytes, temporaries included (ALLOCATED_MEMORY; CUDA's allocator counts its
+    own); default: when memory is logged (--log-memory-to-tensorboard). train() also tracks the
+    iterations of the console memory line and the first two."""
     if track_activation_memory is None:
         track_activation_memory = config.logger.log_memory_to_tensorboard
+    on_cpu = next(model[0].parameters()).device.type == "cpu"
+    with ALLOCATED_MEMORY.track(enabled=track_activation_memory and on_cpu):
+        return _train_step(
+            forward_step_func, data_iterator, model, optimizer, scheduler, config, timers, pg_collection,
+            track_activation_memory,
+        )  # fmt: skip
+
+
+def _train_step(
+    forward_step_func, data_iterator, model, optimizer, scheduler, config, timers, pg_collection, track
+):
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -59,7 +72,7 @@ def train_step(
         m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
     )
     timers("forward-backward", log_level=1).start()
-    with ACTIVATION_MEMORY.track(enabled=track_activation_memory):
+    with ACTIVATION_MEMORY.track(enabled=track):
         losses = forward_backward(
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
@@ -81,6 +94,16 @@ def train_step(
         grad_norm,
         num_zeros,
     )
+
+
+def _tracks_memory(lg, iteration: int, loaded_iteration: int, report_memory_flag: bool) -> bool:
+    """Whether ``iteration``'s memory is reported (to the loggers, or on the console memory line), or
+    it is one of the first two since start, where the optimizer state materialises."""
+    if not (lg.log_memory_to_tensorboard or report_memory_flag):
+        return False
+    logged = lg.log_memory_to_tensorboard and iteration % lg.tensorboard_log_interval == 0
+    printed = report_memory_flag and iteration % lg.log_interval == 0
+    return logged or printed or iteration <= loaded_iteration + 2
 
 
 def _rank(group) -> int:
@@ -123,7 +146,8 @@ def train(forward_step_func, setup_output) -> None:
     if config.logger.log_memory_to_tensorboard and (writer := MetricsWriter.from_state(state)):
         # A pure function of the config: the writer logs it alone, no collective. Its per-stage
         # measurements come from its own pipeline, so the prediction is for its dp x cp rank.
-        predicted = predict_memory_per_stage(config, dp_rank=_rank(s.pg_collection.dp_cp))
+        device_type = next(s.model[0].parameters()).device.type
+        predicted = predict_memory_per_stage(config, _rank(s.pg_collection.dp_cp), device_type)
         writer.write(predicted_memory_metrics(predicted), ts.step)
     with handler:
         timers("interval-time", log_level=0).start()
@@ -139,8 +163,10 @@ def train(forward_step_func, setup_output) -> None:
                 config,
                 timers,
                 s.pg_collection,
-                # Only the reported iterations pay for the saved-tensor hooks.
-                track_activation_memory=config.logger.log_memory_to_tensorboard or report_memory_flag,
+                # Only the reported iterations (and the first two) pay for the memory trackers.
+                track_activation_memory=_tracks_memory(
+                    config.logger, ts.step + 1, loaded_iteration, report_memory_flag
+                ),
             )
             ts.step += 1
             ts.consumed_train_samples += config.train.global_batch_size

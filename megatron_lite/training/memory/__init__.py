@@ -1,17 +1,20 @@
 """Everything memory, one file per part:
 
-- measure: keys.py (the logged names) and report.py (``report_memory``, the console line);
+- measure: keys.py (the logged names), report.py (``report_memory``, the console line) and
+  allocated.py (``ALLOCATED_MEMORY``: live tensor bytes and their peak on the CPU, temporaries included);
 - saved tensors: saved_tensors.py (``ACTIVATION_MEMORY``, the saved-for-backward tracker);
 - attribution: attribution.py (weights, gradient buffers and "other" from the tensors);
 - host allocator: host_allocator.py (glibc keeps freed host memory for reuse);
 - pipeline collectives: pipeline.py (the report's max over the stages, ``memory_metrics``);
-- predict: predict/ (each stage's predicted weights, gradients, optimizer state, activations);
+- predict: predict/ (each stage's predicted weights, gradients, optimizer state, activations,
+  temporaries and allocated peak);
 - preflight: preflight.py (will it fit, before a GPU hour is spent: ``--memory-preflight``);
 - post-mortem: postmortem.py (an out-of-memory rank writes what it held) and table.py (the end-of-run
   table of each stage, measured beside predicted);
 - snapshots: snapshots.py (the CUDA allocator's history, as upstream's --record-memory-history).
 """
 
+from megatron_lite.training.memory.allocated import ALLOCATED_MEMORY, AllocatedMemoryTracker
 from megatron_lite.training.memory.attribution import MODEL_MEMORY
 from megatron_lite.training.memory.host_allocator import keep_freed_host_memory
 from megatron_lite.training.memory.keys import (
@@ -47,6 +50,8 @@ from megatron_lite.training.memory.table import print_memory_table
 
 __all__ = [
     "ACTIVATION_MEMORY",
+    "ALLOCATED_MEMORY",
+    "AllocatedMemoryTracker",
     "ACTIVATION_MEMORY_KEYS",
     "ATTRIBUTION_MEMORY_KEYS",
     "CUDA_EXTRA_MEMORY_KEYS",

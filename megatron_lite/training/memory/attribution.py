@@ -54,6 +54,19 @@ class ModelMemory:
 MODEL_MEMORY = ModelMemory()
 
 
+def static_tensors(model_chunks, optimizer) -> list[torch.Tensor]:
+    """Every tensor that lives for the whole run: parameters, gradient buffers (and plain grads), the
+    optimizer's own parameters (fp32 masters, distributed-optimizer shards) and its state."""
+    tensors = [p for chunk in model_chunks for p in chunk.parameters()]
+    tensors += [buf.grad_data for chunk in model_chunks for buf in getattr(chunk, "buffers", [])]
+    tensors += [p.grad for p in tensors if p.grad is not None]
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is not None:
+        tensors += [p for group in inner.param_groups for p in group["params"]]
+        tensors += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
+    return tensors
+
+
 def other_memory_stats(stats: dict[str, int]) -> dict[str, int]:
     """``other_bytes.*`` from a statistics dict that already holds the totals and the parts.
 
@@ -73,7 +86,12 @@ def other_memory_stats(stats: dict[str, int]) -> dict[str, int]:
     if total not in stats:
         return {}
     static = sum(stats[k] for k in parts)
-    return {
+    other = {
         "other_bytes.current": stats[total] - static - stats["activation_bytes.current"],
         "other_bytes.peak": stats[peak] - static - stats["activation_bytes.peak"],
     }
+    if "allocated_bytes.all.peak" in stats and "temporaries_bytes.peak" not in stats:
+        # CUDA: the allocator's peak says nothing of its instant; with the saved-activation peak taken
+        # out this is the least the temporaries at the peak can be.
+        other["temporaries_bytes.peak"] = max(0, other["other_bytes.peak"])
+    return other

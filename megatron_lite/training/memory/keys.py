@@ -32,8 +32,12 @@ CUDA_EXTRA_MEMORY_KEYS: dict[str, str] = {
     "num_alloc_retries.delta": "mem-alloc-retries-delta",
 }
 
-# Host (no CUDA) statistics, same conventions: the process's resident memory from the OS.
+# Host (no CUDA) statistics, same conventions: upstream's allocated-bytes names with the CUDA meaning
+# (live tensor storage and its peak, temporaries included: allocated.py), then the process's resident
+# memory from the OS (the interpreter and libraries too: not the headline).
 HOST_MEMORY_KEYS: dict[str, str] = {
+    "allocated_bytes.all.current": "mem-allocated-bytes",
+    "allocated_bytes.all.peak": "mem-max-allocated-bytes",
     "rss_bytes.current": "mem-rss-bytes",
     "rss_bytes.peak": "mem-max-rss-bytes",
 }
@@ -54,4 +58,5 @@ ATTRIBUTION_MEMORY_KEYS: dict[str, str] = {
     "grads_bytes.current": "mem-grads-bytes",
     "other_bytes.current": "mem-other-bytes",
     "other_bytes.peak": "mem-max-other-bytes",
+    "temporaries_bytes.peak": "mem-temporaries-bytes",
 }

@@ -63,7 +63,8 @@ def log_directory(config) -> str:
 def write_postmortem(config, rank: int, stage: int, dp_rank: int, iteration: int, err: BaseException) -> str:
     """Write this rank's record atomically; returns its path. ``dp_rank``: its data x context parallel
     rank (the distributed optimizer's shard, hence the prediction, depends on it)."""
-    prediction = asdict(predict_memory_per_stage(config, dp_rank=dp_rank)[stage])
+    device_type = "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
+    prediction = asdict(predict_memory_per_stage(config, dp_rank, device_type)[stage])
     record = {
         "rank": rank,
         "pipeline_stage": stage,

@@ -2,13 +2,18 @@
 
     python pretrain.py ... --memory-preflight --device-memory-gb 80
 
-Builds no world and trains nothing: predicts each pipeline stage's weights, gradients, optimizer state
-and peak activations for the layout as given (predict/stages.py), prints them beside the device's
-memory, names the first stage expected to run out, and searches the memory levers for the cheapest
-change that makes every stage fit. Exit 0 when it fits, 1 when it does not, 2 on bad input.
+Builds no world and trains nothing: predicts each pipeline stage's weights, gradients, optimizer state,
+peak activations, the temporaries alive at its peak and so its allocated peak for the layout as given
+(predict/stages.py), prints them beside the device's memory, names the first stage expected to run
+out, and searches the memory levers for the cheapest change that makes every stage fit. Exit 0 when it
+fits, 1 when it does not, 2 on bad input.
 
-A stage fits when its predicted total leaves ``RESERVE_FRACTION`` of the device free: the prediction
-covers the tensors, not the CUDA context, communication buffers, temporaries or allocator fragmentation.
+A stage fits when its predicted allocated peak leaves ``RESERVE_FRACTION`` of the device free. The peak
+counts every tensor the step allocates, temporaries included (the same figure as
+``mem-max-allocated-bytes``, checked against CPU runs within 3%); the reserve is for what a GPU adds that
+no tensor shows: the CUDA context and kernels (0.5-1 GB), NCCL's communication buffers (hundreds of MB
+per communicator), and the caching allocator's block rounding and fragmentation (``mem-max-reserved``
+over ``mem-max-allocated``, typically a few percent, more with varying shapes).
 """
 
 from __future__ import annotations
@@ -149,25 +154,28 @@ def _gb(num_bytes: float) -> float:
 
 
 def _fits(predictions, capacity_gb: float) -> list[bool]:
-    return [_gb(p.total_bytes) <= capacity_gb * (1 - RESERVE_FRACTION) for p in predictions]
+    return [_gb(p.peak_bytes) <= capacity_gb * (1 - RESERVE_FRACTION) for p in predictions]
 
 
 def format_table(predictions, capacity_gb: float) -> str:
-    deferred = any(p.deferred_wgrad_bytes for p in predictions)  # a column only when it is there
-    header = (
-        f"{'stage':>5} {'weights':>9} {'grads':>9} {'optimizer':>9} {'activations':>11} "
-        + (f"{'wgrad-deferral':>14} " if deferred else "")
-        + f"{'total':>9} {'headroom':>9}   (GB, predicted)"
-    )
-    rows = [header]
+    """Per stage, in GB (3 significant digits): the static parts, the saved activations and the
+    temporaries at the predicted peak, the peak, and the device's headroom above it."""
+    from megatron_lite.training.memory.table import three_digits
+
+    columns = ("weights", "grads", "optim", "act", "temp", "peak", "headroom")
+    rows = [f"{'stage':>5}" + "".join(f"{c:>9}" for c in columns) + "   (GB, predicted)"]
     for i, p in enumerate(predictions):
-        total = _gb(p.total_bytes)
-        rows.append(
-            f"{i:>5} {_gb(p.weights_bytes):>9.2f} {_gb(p.grads_bytes):>9.2f} {_gb(p.optimizer_state_bytes):>9.2f} "
-            f"{_gb(p.activation_bytes):>11.2f} "
-            + (f"{_gb(p.deferred_wgrad_bytes):>14.2f} " if deferred else "")
-            + f"{total:>9.2f} {capacity_gb - total:>9.2f}"
+        act = p.peak_bytes - p.weights_bytes - p.grads_bytes - p.optimizer_state_bytes - p.temporaries_bytes
+        values = (
+            p.weights_bytes,
+            p.grads_bytes,
+            p.optimizer_state_bytes,
+            act,
+            p.temporaries_bytes,
+            p.peak_bytes,
         )
+        cells = [three_digits(_gb(v)) for v in values] + [three_digits(capacity_gb - _gb(p.peak_bytes))]
+        rows.append(f"{i:>5}" + "".join(f"{c:>9}" for c in cells))
     return "\n".join(rows)
 
 
@@ -177,7 +185,7 @@ def preflight(argv: list[str], capacity_gb: float, out=sys.stdout) -> int:
 
     config = _config(argv)
     m = config.model
-    predictions = predict_memory_per_stage(config)
+    predictions = predict_memory_per_stage(config, device_type="cuda")
     layout = (
         f"tp {m.tensor_model_parallel_size} x pp {m.pipeline_model_parallel_size} x cp "
         f"{m.context_parallel_size} x dp {config.data_parallel_size}, vp "
@@ -189,21 +197,21 @@ def preflight(argv: list[str], capacity_gb: float, out=sys.stdout) -> int:
     usable = capacity_gb * (1 - RESERVE_FRACTION)
     print(
         f" device: {capacity_gb:g} GB, of which {usable:g} GB for the predicted tensors "
-        f"({RESERVE_FRACTION:.0%} kept for the CUDA context, communication buffers, temporaries, fragmentation)",
+        f"({RESERVE_FRACTION:.0%} kept for the CUDA context, NCCL buffers, the allocator's rounding and fragmentation)",
         file=out,
     )
     fits = _fits(predictions, capacity_gb)
     if all(fits):
-        peak = max(range(len(predictions)), key=lambda i: predictions[i].total_bytes)
+        peak = max(range(len(predictions)), key=lambda i: predictions[i].peak_bytes)
         print(
-            f" verdict: fits; the peak is stage {peak}'s {_gb(predictions[peak].total_bytes):.2f} GB",
+            f" verdict: fits; the peak is stage {peak}'s {_gb(predictions[peak].peak_bytes):.2f} GB",
             file=out,
         )
         return 0
     failing = [i for i, ok in enumerate(fits) if not ok]
-    first = max(failing, key=lambda i: (predictions[i].total_bytes, -i))
+    first = max(failing, key=lambda i: (predictions[i].peak_bytes, -i))
     print(
-        f" verdict: does not fit: stage {first} runs out first (predicted {_gb(predictions[first].total_bytes):.2f}"
+        f" verdict: does not fit: stage {first} runs out first (predicted {_gb(predictions[first].peak_bytes):.2f}"
         f" GB > {usable:g} GB); stages that do not fit: {', '.join(map(str, failing))}",
         file=out,
     )
@@ -212,12 +220,12 @@ def preflight(argv: list[str], capacity_gb: float, out=sys.stdout) -> int:
             candidate = _config([*argv, *change.flags])
         except (ConfigError, ValueError, AssertionError):
             continue
-        after = predict_memory_per_stage(candidate)
+        after = predict_memory_per_stage(candidate, device_type="cuda")
         if all(_fits(after, capacity_gb)):
-            peak = max(range(len(after)), key=lambda i: after[i].total_bytes)
+            peak = max(range(len(after)), key=lambda i: after[i].peak_bytes)
             print(
                 f" cheapest change that fits every stage: {' '.join(change.flags)}  ({change.why}; about "
-                f"{change.cost:.0%} more time per step; predicted peak {_gb(after[peak].total_bytes):.2f} GB "
+                f"{change.cost:.0%} more time per step; predicted peak {_gb(after[peak].peak_bytes):.2f} GB "
                 f"on stage {peak})",
                 file=out,
             )

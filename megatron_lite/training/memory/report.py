@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from megatron_lite.training.memory.allocated import ALLOCATED_MEMORY
 from megatron_lite.training.memory.attribution import MODEL_MEMORY, other_memory_stats
 from megatron_lite.training.memory.keys import (
     ACTIVATION_MEMORY_KEYS,
@@ -95,7 +96,8 @@ def default_memory_keys() -> dict[str, str]:
     """What ``report_memory(None)`` logs: upstream's MEMORY_KEYS plus ``mem-ooms`` on CUDA, the
     ``mem-rss-*`` keys without CUDA, the ``mem-*activation*`` keys always,
     ``mem-optimizer-state-bytes`` once an optimizer is tracked and the attribution keys
-    (``mem-weights-bytes``, ``mem-grads-bytes``, ``mem-other-bytes``, ``mem-max-other-bytes``) once the
+    (``mem-weights-bytes``, ``mem-grads-bytes``, ``mem-other-bytes``, ``mem-max-other-bytes``,
+    ``mem-temporaries-bytes``) once the
     model is tracked too."""
     device_keys = {**MEMORY_KEYS, **CUDA_EXTRA_MEMORY_KEYS} if _cuda_in_use() else HOST_MEMORY_KEYS
     return {**device_keys, **ACTIVATION_MEMORY_KEYS, **OPTIMIZER_MEMORY_KEYS, **ATTRIBUTION_MEMORY_KEYS}
@@ -114,12 +116,13 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict:
 
     ``memory_keys`` maps a statistic's key to its logged name; empty or None means
     :func:`default_memory_keys`. Statistics come from ``torch.cuda.memory_stats()`` when CUDA is in
-    use, otherwise from the operating system (``rss_bytes.*``); the activation tracker's
+    use, otherwise from the allocated-bytes tracker (``allocated_bytes.all.*`` when the latest step
+    was tracked) and the operating system (``rss_bytes.*``); the activation tracker's
     ``activation_bytes.*`` when the latest step was tracked. Keys that are not available are left out. A byte
     count (its key contains "bytes") becomes gigabytes with "bytes" replaced by "gigabytes" in the
     name; counters keep their integer value. Peaks are since the start of the run.
     """
-    stats = _cuda_memory_stats() if _cuda_in_use() else _host_memory_stats()
+    stats = _cuda_memory_stats() if _cuda_in_use() else {**_host_memory_stats(), **ALLOCATED_MEMORY.stats()}
     stats.update(_activation_memory_stats())
     stats.update(OPTIMIZER_STATE_MEMORY.stats())
     stats.update(MODEL_MEMORY.stats())

@@ -1,4 +1,8 @@
-"""The end-of-run memory table: each stage's final report, measured, beside its prediction."""
+"""The end-of-run memory table: each stage's measured parts and allocated peak beside its prediction.
+
+Short column names in one unit chosen for the sizes (MiB below a GiB, else GiB), 3 significant digits,
+so the table fits 120 columns; the dashboards keep the full tag names.
+"""
 
 from __future__ import annotations
 
@@ -13,39 +17,57 @@ from megatron_lite.training.memory.report import report_memory
 if TYPE_CHECKING:
     from megatron_lite.training.config import ConfigContainer
 
-# Measured key -> the prediction printed beside it in the memory table.
-PREDICTED_BESIDE = {
-    "mem-max-activation-gigabytes": "activation_bytes",
-    "mem-optimizer-state-gigabytes": "optimizer_state_bytes",
-    "mem-weights-gigabytes": "weights_bytes",
-    "mem-grads-gigabytes": "grads_bytes",
+# Column -> the measured name in the memory report (gigabytes, 1e9 bytes).
+COLUMNS = {
+    "weights": "mem-weights-gigabytes",
+    "grads": "mem-grads-gigabytes",
+    "optim": "mem-optimizer-state-gigabytes",
+    "act": "mem-max-activation-gigabytes",
+    "temp": "mem-temporaries-gigabytes",
+    "peak": "mem-max-allocated-gigabytes",
 }
 
 
+def choose_unit(largest_bytes: float) -> tuple[str, int]:
+    """("MiB", 2**20) for sizes under a GiB, else ("GiB", 2**30)."""
+    return ("MiB", 2**20) if largest_bytes < 2**30 else ("GiB", 2**30)
+
+
+def three_digits(value: float) -> str:
+    """``value`` to 3 significant digits, without an exponent from 0.001 to 9999 (the unit keeps sizes
+    there)."""
+    text = f"{value:#.3g}".rstrip(".")  # '#': 46 shows as 46.0, 3 digits
+    return f"{value:.0f}" if "e+" in text else text
+
+
+def format_memory_table(stages: list[dict], peak_bytes_predicted: list[int], rss_name: str | None) -> str:
+    """The table from each stage's report (names as logged, in GB) and its predicted allocated peak."""
+    columns = {k: v for k, v in COLUMNS.items() if any(v in s for s in stages)}
+    if rss_name:
+        columns["rss"] = rss_name
+    sizes = [s[n] * 1e9 for s in stages for n in columns.values() if n in s] + list(peak_bytes_predicted)
+    unit, scale = choose_unit(max(sizes, default=0))
+    header = f"{'stage':>5}" + "".join(f"{c:>9}" for c in columns) + f"{'pred':>9}{'err%':>7}"
+    rows = [header]
+    for i, (s, predicted) in enumerate(zip(stages, peak_bytes_predicted)):
+        cells = "".join(f"{three_digits(s[n] * 1e9 / scale) if n in s else '-':>9}" for n in columns.values())
+        measured = s.get(COLUMNS["peak"])
+        error = f"{round(100 * (predicted / (measured * 1e9) - 1), 1) or 0.0:+.1f}" if measured else "-"
+        rows.append(f"{i:>5}{cells}{three_digits(predicted / scale):>9}{error:>7}")
+    title = (
+        f" memory per pipeline stage ({unit}; peak: measured allocated peak, temporaries included;"
+        " pred: predicted)"
+    )
+    return "\n".join([title, *rows])
+
+
 def print_memory_table(config: ConfigContainer, pg_collection) -> None:
-    """Each stage's final memory report, as a table on the last rank, each stage followed by a
-    "predicted" row (theoretical_memory's prediction, under the measured keys it predicts).
+    """Each stage's final memory report as a table on the last rank, beside the predicted peak.
     Collective over the pp group."""
-    peak, stages = gather_memory_across_pp_group(report_memory(config.logger.memory_keys), pg_collection.pp)
-    # The table shows the last rank's pipeline: predict for its dp x cp rank.
+    _, stages = gather_memory_across_pp_group(report_memory(config.logger.memory_keys), pg_collection.pp)
+    # The table shows the last rank's pipeline: predict for its dp x cp rank, on its device.
     dp_cp = pg_collection.dp_cp
-    predictions = predict_memory_per_stage(config, dp_rank=0 if dp_cp is None else dist.get_rank(dp_cp))
-    names = list(peak)
-    header = "stage      " + "  ".join(f"{n:>28}" for n in names)
-    rows = []
-    for i, s in enumerate(stages):
-        rows.append(f"{i:>5}      " + "  ".join(f"{s[n]:>28}" for n in names))
-        predicted = [
-            f"{getattr(predictions[i], PREDICTED_BESIDE[n]) / 1e9:>28.5g}"
-            if n in PREDICTED_BESIDE
-            else f"{'':>28}"
-            for n in names
-        ]
-        p, missing = predictions[i], [k for k in PREDICTED_BESIDE if k not in names]
-        extra = "".join(f" {k[4:-10]} {getattr(p, PREDICTED_BESIDE[k]) / 1e9:.5g}" for k in missing)
-        rows.append(
-            f"{i:>5} pred " + "  ".join(predicted) + f"  (predicted{extra} total {p.total_bytes / 1e9:.5g})"
-        )
-    rows.append("  max      " + "  ".join(f"{peak[n]:>28}" for n in names))
-    title = " memory per pipeline stage (GB; 'pred' rows: theoretical_memory's prediction, not measured):"
-    print_rank_last("\n".join([title, header, *rows]))
+    device_type = "cuda" if "mem-max-reserved-gigabytes" in stages[0] else "cpu"
+    predictions = predict_memory_per_stage(config, 0 if dp_cp is None else dist.get_rank(dp_cp), device_type)
+    rss = "mem-max-rss-gigabytes" if "mem-max-rss-gigabytes" in stages[0] else None
+    print_rank_last(format_memory_table(stages, [p.peak_bytes for p in predictions], rss))

@@ -373,9 +373,7 @@ def training_log(
         per_iteration = elapsed / total_iterations
         per_gpu_tf = _interval_tflops_per_gpu(config, global_state, elapsed)
         if per_gpu_tf is not None:
-            print_rank_0(
-                f"Step Time : {per_iteration:.2f}s GPU utilization: {per_gpu_tf:.1f}MODEL_TFLOP/s/GPU"
-            )
+            print_rank_0(_step_time_line(per_iteration, per_gpu_tf, batch_size * _seq_length(config)))
             if lg.log_throughput_to_tensorboard:
                 world = get_world_size_safe()
                 tflops = {"throughput/tflops/device": per_gpu_tf, "throughput/tflops": per_gpu_tf * world}
@@ -429,6 +427,17 @@ def _write_timers(timers, names, writer: MetricsWriter, iteration: int, normaliz
     timers.write(names, writer.tensorboard, iteration, normalizer=normalizer, reset=not backends)
     for index, (write, logger) in enumerate(backends):
         write(names, logger, iteration, normalizer=normalizer, reset=index == len(backends) - 1)
+
+
+def _step_time_line(per_iteration: float, per_rank_tflops: float, tokens_per_step: int) -> str:
+    """Upstream's line on CUDA; on the CPU no GPU is used, so it says what is true there: tokens per
+    second and model TFLOP/s per rank."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"Step Time : {per_iteration:.2f}s GPU utilization: {per_rank_tflops:.1f}MODEL_TFLOP/s/GPU"
+    return (
+        f"Step Time : {per_iteration:.2f}s throughput: {tokens_per_step / per_iteration:.0f} tokens/s, "
+        f"model {per_rank_tflops:.3f} TFLOP/s per rank (CPU)"
+    )
 
 
 def _seq_length(config) -> int:

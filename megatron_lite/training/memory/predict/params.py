@@ -167,11 +167,13 @@ def param_memory(config, pp_rank: int, dp_rank: int = 0) -> dict[str, int]:
     """``weights_bytes``, ``grads_bytes`` (fp32 DDP buffers, padding included) and
     ``optimizer_state_bytes`` of one tensor-parallel rank of stage ``pp_rank`` (and, for the
     distributed optimizer's shard, rank ``dp_rank`` of dp x cp), summed over its chunks, plus
-    ``parameters`` (their element count)."""
+    ``parameters`` (their element count) and, for the optimizer step's scratch, ``largest_piece`` and
+    ``total_pieces`` (elements of the largest and of all the parameters or shard pieces AdamW updates)
+    and ``cloned_grads`` (elements whose fp32 gradient the plain optimizer copies for bf16 masters)."""
     m = config.model
     vp = m.virtual_pipeline_model_parallel_size or 1
     low_precision = _dtype_bytes(m) != 4
-    weights = grads = optimizer = params = 0
+    weights = grads = optimizer = params = largest = total = 0
     for vp_stage in range(vp):
         specs = chunk_parameters(m, pp_rank, vp_stage)
         buckets = buffer_layout(specs, config)
@@ -184,7 +186,12 @@ def param_memory(config, pp_rank: int, dp_rank: int = 0) -> dict[str, int]:
             pieces = [p.numel for p in specs]
         # exp_avg and exp_avg_sq in fp32, a 4-byte ``step`` tensor, and an fp32 master if needed.
         optimizer += sum(8 * n + 4 + (4 * n if low_precision else 0) for n in pieces)
+        largest, total = max([largest, *pieces]), total + sum(pieces)
+    distributed = config.optimizer.use_distributed_optimizer
     return {
+        "largest_piece": largest,
+        "total_pieces": total,
+        "cloned_grads": total if low_precision and not distributed else 0,
         "parameters": params,
         "weights_bytes": weights,
         "grads_bytes": grads,

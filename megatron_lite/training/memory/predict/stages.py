@@ -66,6 +66,12 @@ The schedule: each rank's forwards and backwards in the schedule's own order (pl
 interleaved: upstream's schedule table and warmup), adding a chunk-microbatch's kept bytes at its
 forward and releasing them at its backward; the peak is the maximum over the step, including each
 backward's recomputation.
+
+The allocated peak (``peak_bytes``, beside the measured ``mem-max-allocated``): the static bytes plus the
+larger of two instants' dynamic bytes: the schedule's largest instant of saves in flight plus the
+temporaries of the op then running (``step_bytes``, temporaries.py), and the optimizer step's scratch
+(``optimizer_step_bytes``). Within 1% of the CPU measurement on every stage of the seven layouts of
+bench/memory_prediction.py's peak table.
 """
 
 from __future__ import annotations
@@ -82,6 +88,11 @@ from megatron_lite.training.memory.predict.activations import (
     schedule_peak,
 )
 from megatron_lite.training.memory.predict.params import chunk_bounds, param_memory
+from megatron_lite.training.memory.predict.temporaries import (
+    chunk_transients,
+    optimizer_step_extra,
+    schedule_peak_allocated,
+)
 from megatron_lite.training.memory.report import gigabytes
 
 __all__ = ["StageMemoryPrediction", "predict_memory_per_stage", "predicted_memory_metrics"]
@@ -120,19 +131,39 @@ class StageMemoryPrediction:
     deferred_wgrad_bytes: int = 0
     """Last stage under --defer-embedding-wgrad-compute: the output layer's inputs and output gradients
     held for the flush, beyond the saved-tensor peak."""
+    step_bytes: int = 0
+    """The most bytes beyond the static ones during forwards and backwards: the saves in flight and
+    the temporaries of the op running (temporaries.py), deferred wgrad buffers included."""
+    saved_at_step_peak_bytes: int = 0
+    """The saved activations at the instant of ``step_bytes``."""
+    optimizer_step_bytes: int = 0
+    """The optimizer step's scratch beyond the static bytes."""
     total_bytes: int = field(init=False)
     """weights + grads + optimizer state + peak activations + deferred wgrad buffers (a field, so
     ``asdict`` carries it)."""
+    peak_bytes: int = field(init=False)
+    """The allocated peak: weights + grads + optimizer state + the larger of ``step_bytes`` and
+    ``optimizer_step_bytes`` (what ``mem-max-allocated-bytes`` measures)."""
+    temporaries_bytes: int = field(init=False)
+    """The peak's bytes that are neither static nor saved activations."""
 
     def __post_init__(self) -> None:
-        total = self.weights_bytes + self.grads_bytes + self.optimizer_state_bytes + self.activation_bytes
-        object.__setattr__(self, "total_bytes", total + self.deferred_wgrad_bytes)
+        static = self.weights_bytes + self.grads_bytes + self.optimizer_state_bytes
+        total = static + self.activation_bytes + self.deferred_wgrad_bytes
+        object.__setattr__(self, "total_bytes", total)
+        dynamic = max(self.step_bytes, self.optimizer_step_bytes)
+        object.__setattr__(self, "peak_bytes", static + dynamic)
+        saved = 0 if self.optimizer_step_bytes > self.step_bytes else self.saved_at_step_peak_bytes
+        object.__setattr__(self, "temporaries_bytes", dynamic - saved)
 
 
-def predict_memory_per_stage(config, dp_rank: int = 0) -> list[StageMemoryPrediction]:
+def predict_memory_per_stage(
+    config, dp_rank: int = 0, device_type: str = "cpu"
+) -> list[StageMemoryPrediction]:
     """One prediction per pipeline rank for ``config`` (a validated ConfigContainer), for TP rank 0
-    and rank ``dp_rank`` of the data-parallel x context-parallel group. Pure and cheap: no process
-    group, no model."""
+    and rank ``dp_rank`` of the data-parallel x context-parallel group, on a ``device_type`` device
+    ("cpu" or "cuda": their AdamW defaults differ in scratch). Pure and cheap: no process group, no
+    model."""
     m = config.model
     pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
     group = m.microbatch_group_size_per_vp_stage or pp
@@ -140,14 +171,20 @@ def predict_memory_per_stage(config, dp_rank: int = 0) -> list[StageMemoryPredic
     per_layer = sum(layer_saves(x).values())
     stages = []
     for rank in range(pp):
-        chunks = []
+        chunks, transients = [], []
         for vp_stage in range(vp):
             pre, post = chunk_bounds(m, rank, vp_stage)
             layers = get_num_layers_to_build(m, vp_stage, rank)
             chunks.append(chunk_activations(x, layers, pre, post))
+            transients.append(chunk_transients(x, chunks[-1], post))
         events = schedule_events(config.num_microbatches, vp, pp, rank, group)
         peak, in_flight = schedule_peak(events, chunks)
+        step, saved_then = schedule_peak_allocated(events, chunks, transients)
+        deferred = deferred_wgrad_bytes(x, config.num_microbatches) if rank == pp - 1 else 0
         params = param_memory(config, rank, dp_rank)
+        scratch = optimizer_step_extra(
+            params["largest_piece"], params["total_pieces"], params["cloned_grads"], device_type
+        )
         stages.append(
             StageMemoryPrediction(
                 pp_rank=rank,
@@ -163,9 +200,10 @@ def predict_memory_per_stage(config, dp_rank: int = 0) -> list[StageMemoryPredic
                 chunk_backward_peak_bytes=[c.peak for c in chunks],
                 embedding_activation_bytes=sum(c.embedding for c in chunks),
                 logits_activation_bytes=sum(c.output for c in chunks),
-                deferred_wgrad_bytes=deferred_wgrad_bytes(x, config.num_microbatches)
-                if rank == pp - 1
-                else 0,
+                deferred_wgrad_bytes=deferred,
+                step_bytes=step + deferred,
+                saved_at_step_peak_bytes=saved_then,
+                optimizer_step_bytes=scratch,
             )
         )
     return stages
@@ -178,6 +216,8 @@ PREDICTED_KEYS = {
     "optimizer_state_bytes": "predicted-optimizer-state-gigabytes",
     "activation_bytes": "predicted-max-activation-gigabytes",
     "total_bytes": "predicted-total-gigabytes",
+    "temporaries_bytes": "predicted-temporaries-gigabytes",
+    "peak_bytes": "predicted-max-allocated-gigabytes",
 }
 
 

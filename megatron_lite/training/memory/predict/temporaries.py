@@ -1,0 +1,119 @@
+"""Predicted temporaries: what is alive beside the saved activations at a stage's largest instants.
+
+A stage peaks at one of a few instants, each measured op by op on CPU (the allocated-bytes tracker
+names the op at the peak) and counted here tensor by tensor, for t = s b / cp tokens, t' = t / tp under
+sequence parallelism, V' = V / tp, f = the MLP's fc2 width per TP rank, element size e:
+
+- the cross entropy's shift on the last chunk (``logits - max``): the logits t V' e, their fp32 upcast
+  t V' 4 when e is 2, and the shifted fp32 copy t V' 4 that becomes the saved softmax. The softmax,
+  its masks and the loss mask are not saved yet at that instant;
+- the output layer's backward: its input gradient t h e (the whole sequence before SP's
+  reduce-scatter), under SP the re-gathered input t h e, and its weight gradient V' h e, beside all of
+  the chunk's saves (the cross entropy's gradient is its own softmax buffer, modified in place);
+- a layer's backward, which starts with linear_fc2's: the output gradient t' h e (received from the
+  next stage, or the final norm's), gathered under SP (t h e), the input gradient t f e and the weight
+  gradient h f e, beside everything the chunk saved;
+- the optimizer step, with no activations: get_grad_norm_fp32's fp64 copy of one gradient at a time
+  (8 bytes an element of the largest parameter or distributed-optimizer shard piece), AdamW's
+  sqrt(exp_avg_sq) and its quotient (two fp32 copies of the largest parameter with PyTorch's
+  single-tensor AdamW, the CPU default; one fp32 list over all parameters with the foreach AdamW, the
+  CUDA default), and with bf16 parameters and the plain optimizer the fp32 copies of every gradient
+  that the fp32 masters take for the step.
+
+Left out: buffers of a t h e or smaller each, under 1% of a stage at hidden 128 and up to 7% of a toy
+model of hidden 64 (interleaved with full recomputation): the activations and gradients a pipeline
+schedule has received ahead (the interleaved one holds several), recomputation's saved RNG states
+(5 KB each), the batch, loss scalars, kernel-internal scratch. On CUDA the same tensors are allocated except the attention
+kernels' own, and the caching allocator rounds each block to 512 bytes: not verified on a GPU yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.training.memory.predict.activations import ChunkActivations, Shape
+
+
+def _vocab(x: Shape) -> int:
+    m = x.m
+    return m.padded_vocab_size // m.tensor_model_parallel_size
+
+
+def loss_saves(x: Shape) -> int:
+    """The last chunk's saves made at and after the cross entropy's shift: the fp32 softmax t V' 4,
+    the target mask and local targets t 9, the loss mask t 4 (a part of ``output_saves``)."""
+    return x.tokens * _vocab(x) * 4 + x.tokens * 9 + x.tokens * 4
+
+
+def loss_forward_extra(x: Shape) -> int:
+    """At the cross entropy's shift: the logits, their fp32 upcast (when not fp32) and the shifted copy."""
+    t, vocab = x.tokens, _vocab(x)
+    upcast = t * vocab * 4 if x.elt != 4 else 0
+    return t * vocab * x.elt + upcast + t * vocab * 4
+
+
+def output_backward_extra(x: Shape) -> int:
+    """The output layer's backward: input gradient, the re-gathered input under SP, weight gradient."""
+    m, t, e = x.m, x.tokens, x.elt
+    full = t * m.hidden_size * e
+    return full + (full if m.sequence_parallel else 0) + _vocab(x) * m.hidden_size * e
+
+
+def layer_backward_extra(x: Shape) -> int:
+    """linear_fc2's backward: its output gradient (gathered under SP), input and weight gradients."""
+    m, t, e, h = x.m, x.tokens, x.elt, x.m.hidden_size
+    f = m.ffn_hidden_size // m.tensor_model_parallel_size
+    grad_output = x.norm_tokens * h * e + (t * h * e if m.sequence_parallel else 0)
+    return grad_output + t * f * e + h * f * e
+
+
+@dataclass(frozen=True)
+class ChunkTransients:
+    """A chunk-microbatch's largest instants, as (bytes, of which saved activations): ``forward``
+    above what was held before its forward, ``backward`` above what was held before its backward less
+    its own kept bytes."""
+
+    forward: tuple[int, int]
+    backward: tuple[int, int]
+
+
+def chunk_transients(x: Shape, chunk: ChunkActivations, post: bool) -> ChunkTransients:
+    layer = layer_backward_extra(x) if chunk.layers else 0
+    if not post:
+        return ChunkTransients((chunk.kept, chunk.kept), (chunk.peak + layer, chunk.peak))
+    before_loss = chunk.kept - loss_saves(x)
+    forward = max((before_loss + loss_forward_extra(x), before_loss), (chunk.kept, chunk.kept))
+    # After the output layer's backward its saves are gone; recomputation then re-saves a unit.
+    after_output = chunk.peak if chunk.peak > chunk.kept else chunk.kept - chunk.output
+    output = (chunk.kept + output_backward_extra(x), before_loss)  # the softmax is the gradient now
+    return ChunkTransients(forward, max(output, (after_output + layer, after_output)))
+
+
+def schedule_peak_allocated(
+    events: list[tuple[str, int]], chunks: list[ChunkActivations], transients: list[ChunkTransients]
+) -> tuple[int, int]:
+    """(the most bytes beyond the static ones over the schedule's forwards and backwards, the saved
+    activations then): the saves of the microbatch-chunks in flight plus the transients of the one
+    running."""
+    held, peak = 0, (0, 0)
+    for kind, c in events:
+        if kind == "F":
+            instant = transients[c].forward
+            peak = max(peak, (held + instant[0], held + instant[1]))
+            held += chunks[c].kept
+        else:
+            instant, base = transients[c].backward, held - chunks[c].kept
+            peak = max(peak, (base + instant[0], base + instant[1]))
+            held -= chunks[c].kept
+    return peak
+
+
+def optimizer_step_extra(
+    largest_piece: int, total_pieces: int, cloned_grads: int, device_type: str = "cpu"
+) -> int:
+    """The optimizer step's scratch: the gradient norm's fp64 copy, AdamW's square-root temporaries
+    (per parameter on CPU, one list for all on CUDA) and ``cloned_grads`` elements of fp32 gradient
+    copies held through the step."""
+    norm = 8 * largest_piece
+    adam = 4 * total_pieces if device_type == "cuda" else 8 * largest_piece
+    return 4 * cloned_grads + max(norm, adam)
