@@ -114,8 +114,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
 
-    every = ["--tensorboard-dir", "tb", "--tensorboard-log-interval", "1"]
-    tenth = ["--tensorboard-dir", "tb", "--tensorboard-log-interval", "10"]
+    every = ["--log-interval", "1", "--tensorboard-dir", "tb", "--tensorboard-log-interval", "1"]
+    tenth = ["--log-interval", "1", "--tensorboard-dir", "tb", "--tensorboard-log-interval", "10"]
     memory = ["--log-memory-to-tensorboard"]
     runs = {"reported": ([], []), "unreported": ([], [])}
     for _ in range(args.pairs):

@@ -79,12 +79,20 @@ def test_freed_storages_are_uncounted_and_the_peak_kept():
     del a
 
 
-def test_an_untracked_iteration_counts_nothing_and_reports_nothing():
+def test_an_untracked_iteration_counts_nothing_and_keeps_the_peak_since_start():
     tracker = AllocatedMemoryTracker()
     with tracker.track(enabled=False):
         x = torch.ones(1000, 1000)
     assert tracker.current_bytes == 0 and tracker.peak_bytes == 0 and tracker.stats() == {}
-    del x
+    with tracker.track():
+        y = x * 2
+    peak = tracker.peak_bytes
+    with tracker.track(enabled=False):
+        z = x * 3  # not counted: no mode
+    assert tracker.peak_bytes == peak
+    # The last step was untracked: its current bytes are unknown, the peak since start is not.
+    assert set(tracker.stats()) == {"allocated_bytes.all.peak", "temporaries_bytes.peak"}
+    del x, y, z
 
 
 def test_only_reported_iterations_and_the_first_two_are_tracked():

@@ -237,7 +237,16 @@ def test_cli_run_writes_every_sink(tmp_path):
 
 
 def test_memory_flag_without_dir_logs_to_a_printed_default(tmp_path):
-    result = run_pretrain([*SMALL_MODEL, "--train-iters", "2", "--log-memory-to-tensorboard"], tmp_path)
+    # The last iteration (3) is not logged, so it runs untracked: the table still shows the peaks.
+    argv = [
+        *SMALL_MODEL,
+        "--train-iters",
+        "3",
+        "--tensorboard-log-interval",
+        "2",
+        "--log-memory-to-tensorboard",
+    ]
+    result = run_pretrain(argv, tmp_path)
     assert result.returncode == 0, result.stderr
     line = next(ln for ln in result.stdout.splitlines() if "TensorBoard logs:" in ln)
     logdir = tmp_path / line.split("TensorBoard logs:")[1].strip()

@@ -1,9 +1,8 @@
 """Per-stage memory prediction (theoretical_memory) against real runs, and its formula's parts.
 
-The multi-process tests run the real pretrain() in gloo worlds of four ranks for two iterations; the
-predicted peak saved activations of every stage must be within 10% of what the tracker measured, the
-allocated peak within 7% (toy model), and the predicted weights, gradient buffers and optimizer state within 1%
-of the tensors' bytes.
+The multi-process tests run the real pretrain() in gloo worlds of four ranks for one iteration; the
+predicted peak saved activations of every stage must be within 10% of what the tracker measured, and
+the predicted weights, gradient buffers and optimizer state within 1% of the tensors' bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from megatron_lite.training.memory.saved_tensors import ActivationMemoryTracker
 
 MODEL = (
     "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
-    "--vocab-size 32 --micro-batch-size 2 --train-iters 2 --log-interval 1"
+    "--vocab-size 32 --micro-batch-size 2 --train-iters 1 --log-interval 1"
 ).split()
 FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
 # (tp, pp, vp) and the levers each run adds; 8 microbatches of 2 per data-parallel rank, 4 ranks.
@@ -75,13 +74,11 @@ def test_prediction_matches_every_stage_of_a_real_run(tmp_path, monkeypatch, nam
     stages = measure(_argv(tp, pp, vp, extra), 4, tmp_path / "tb")
     assert len(stages) == pp
     for stage, quantities in enumerate(stages):
+        # The allocated peak needs a second iteration (the optimizer state the prediction assumes):
+        # test_allocated_memory holds it to 3% on the issue's layouts.
+        quantities.pop("peak")
         for quantity, (measured, predicted) in quantities.items():
-            # The allocated peak (temporaries included), over two iterations (the second has the optimizer
-            # state the prediction assumes): 7% on this toy model (hidden 64), where the buffers the
-            # prediction leaves out (each t h e, 32 KB here: the p2p activations and gradients the
-            # interleaved schedule has received ahead, the recomputation's RNG states) weigh 3-7%;
-            # test_allocated_memory holds the issue's model (hidden 128) to 3%.
-            tolerance = {"activations": 0.10, "peak": 0.07}.get(quantity, 0.01)
+            tolerance = 0.10 if quantity == "activations" else 0.01
             assert measured > 0, (stage, quantity)
             assert predicted == pytest.approx(measured, rel=tolerance), (stage, quantity, measured, predicted)
 

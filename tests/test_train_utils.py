@@ -168,7 +168,7 @@ def test_report_memory_on_cuda_converts_bytes_and_keeps_counters(mocker):
     assert only == {"mem-alloc-retires": 4}
 
 
-def test_an_untracked_step_reports_no_activations_and_no_other():
+def test_an_untracked_step_reports_no_current_activations_and_no_other():
     tracker = ActivationMemoryTracker()
     x = torch.randn(64, 64, requires_grad=True)
     with tracker.track(enabled=False):
@@ -178,11 +178,13 @@ def test_an_untracked_step_reports_no_activations_and_no_other():
         y = x.exp().sum()
     assert tracker.tracking and tracker.current_bytes == 64 * 64 * 4
     y.backward()
-    # The process-wide tracker after an untracked step: report_memory leaves its keys out.
+    # The process-wide tracker after an untracked step: report_memory leaves its current bytes out.
     with train_utils.ACTIVATION_MEMORY.track(enabled=False):
         pass
     report = report_memory()
-    assert report and not any("activation" in k or "other" in k for k in report)
+    assert report and "mem-activation-gigabytes" not in report and not any("other" in k for k in report)
+    # The peak since start stays known once any step was tracked (the end-of-run table shows it).
+    assert ("mem-max-activation-gigabytes" in report) == train_utils.ACTIVATION_MEMORY.tracked_once
 
 
 def test_activation_tracker_counts_each_storage_once_and_releases_it():

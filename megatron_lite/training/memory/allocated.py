@@ -8,8 +8,11 @@ on each new ``UntypedStorage`` uncounts it when the storage is freed. The curren
 all live storages; the peak is taken at every new storage, the only instants a total can rise.
 
 What it misses: scratch a single kernel allocates and frees inside itself (the CPU flash attention's
-per-thread blocks, oneDNN's workspaces, gloo's internal buffers) and storages that are not the CPU
-allocator's (a tensor over ``/dev/shm`` or a numpy array, whose storage is not resizable). A test checks
+per-thread blocks, oneDNN's workspaces, gloo's internal buffers), storages that are not the CPU
+allocator's (a tensor over ``/dev/shm`` or a numpy array, whose storage is not resizable), sparse and
+opaque tensors, and a Python-level ``storage.resize_`` (no op is dispatched: the old size stays counted
+until the storage is freed). Higher-order operators (``torch.cond``, flex attention) are refused under
+the mode, as under any TorchDispatchMode that does not opt in; nothing here uses them. A test checks
 the total against the allocator's own memory events from ``torch.profiler`` (``profile_memory=True``).
 
 Tracking costs one Python call per op, so the loop tracks only the iterations whose memory is
@@ -71,6 +74,7 @@ class AllocatedMemoryTracker:
         self.peak_static_bytes = 0
         self.peak_saved_bytes = 0
         self.tracking = False  # whether the latest track() counted: its numbers are this iteration's
+        self.tracked_once = False  # whether any iteration was: the peak since start is then known
         self.saved_activations = saved_activations  # an ActivationMemoryTracker, read at each new peak
         self.static_source = None  # a callable returning the tensors that count as static
         self._live: dict[int, list] = {}  # storage id -> [bytes, weak reference, static]
@@ -107,7 +111,10 @@ class AllocatedMemoryTracker:
                 self.static_bytes += nbytes
 
     def _see(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return  # a sparse or opaque tensor: no storage to count
         entry = self._live.get(storage._cdata)
         if entry is not None and entry[0] == storage.nbytes():
             return  # a view or an in-place result: nothing new
@@ -126,9 +133,9 @@ class AllocatedMemoryTracker:
     def _register_existing(self) -> None:
         if not self._scanned:
             # Once: every storage Python can reach (no autograd graph is alive between iterations).
-            tensor_base = torch._C.TensorBase
+            tensor_base, strided = torch._C.TensorBase, torch.strided
             for obj in gc.get_objects():
-                if issubclass(type(obj), tensor_base) and obj.device.type == "cpu":
+                if issubclass(type(obj), tensor_base) and obj.device.type == "cpu" and obj.layout == strided:
                     self._add(obj.untyped_storage())
             self._scanned = True
         for t in self.static_source() if self.static_source is not None else ():
@@ -144,20 +151,21 @@ class AllocatedMemoryTracker:
         if not enabled:
             yield self
             return
+        self.tracked_once = True
         self._register_existing()
         with _CountingMode(self):
             yield self
 
     def stats(self) -> dict[str, int]:
-        """``allocated_bytes.all.*`` (the CUDA allocator's names) and the peak's make-up; empty when the
-        latest iteration ran untracked."""
-        if not self.tracking:
+        """``allocated_bytes.all.*`` (the CUDA allocator's names) and the peak's make-up: the peak since
+        start once any iteration was tracked, the current bytes only when the latest one was (an
+        untracked iteration's allocations are not counted)."""
+        if not self.tracked_once:
             return {}
-        return {
-            "allocated_bytes.all.current": self.current_bytes,
-            "allocated_bytes.all.peak": self.peak_bytes,
-            "temporaries_bytes.peak": self.peak_bytes - self.peak_static_bytes - self.peak_saved_bytes,
-        }
+        stats = {"allocated_bytes.all.current": self.current_bytes} if self.tracking else {}
+        stats["allocated_bytes.all.peak"] = self.peak_bytes
+        stats["temporaries_bytes.peak"] = self.peak_bytes - self.peak_static_bytes - self.peak_saved_bytes
+        return stats
 
 
 # Process-wide, like torch.cuda's allocator statistics that report_memory also reads.

@@ -1,11 +1,12 @@
 """What this rank's memory is made of, measured from the tensors: weights, gradient buffers, and the
-rest of the allocator's (or the process's) total once the optimizer state and activations are taken out.
+rest of the allocated total once the optimizer state and activations are taken out.
 
 The weights are the model chunks' parameter storages, each counted once (tied weights, and parameters
 that are views of one contiguous buffer, share a storage); the gradients are the DDP buffers' fp32
-``main_grad`` storage. ``other`` is the total minus weights, gradients, optimizer state and activations:
-on CUDA the caching allocator's allocated bytes (temporaries, communication buffers, the loss), on the
-host the resident set (that also holds the interpreter and torch's libraries).
+``main_grad`` storage. ``other`` is the allocated total (the caching allocator's on CUDA, the
+allocated-bytes tracker's on the CPU) minus weights, gradients, optimizer state and activations:
+temporaries, communication buffers, the loss. Without an allocated total (an untracked step on the
+CPU) it falls back to the resident set, which also holds the interpreter and torch's libraries.
 """
 
 from __future__ import annotations

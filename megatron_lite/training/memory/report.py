@@ -83,13 +83,14 @@ def _host_memory_stats() -> dict[str, int]:
 
 
 def _activation_memory_stats() -> dict[str, int]:
-    """The tracker's bytes, or nothing when the latest step ran untracked (its numbers would be stale)."""
-    if not ACTIVATION_MEMORY.tracking:
+    """The tracker's peak since start once any step was tracked; its current bytes only when the latest
+    step was (an untracked step's would be stale)."""
+    if not ACTIVATION_MEMORY.tracked_once:
         return {}
-    return {
-        "activation_bytes.current": ACTIVATION_MEMORY.current_bytes,
-        "activation_bytes.peak": ACTIVATION_MEMORY.peak_bytes,
-    }
+    current = (
+        {"activation_bytes.current": ACTIVATION_MEMORY.current_bytes} if ACTIVATION_MEMORY.tracking else {}
+    )
+    return {**current, "activation_bytes.peak": ACTIVATION_MEMORY.peak_bytes}
 
 
 def default_memory_keys() -> dict[str, str]:

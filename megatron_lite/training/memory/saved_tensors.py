@@ -41,6 +41,7 @@ class ActivationMemoryTracker:
         self._excluded: set[int] = set()
         self._lock = threading.Lock()
         self.tracking = False  # whether the latest track() counted: its numbers are this iteration's
+        self.tracked_once = False  # whether any track() counted: the peak since start is then known
 
     def exclude_parameters(self, parameters) -> None:
         """Never count these tensors' storages (model weights saved by linear layers, say)."""
@@ -79,6 +80,7 @@ class ActivationMemoryTracker:
         """Count tensors saved by forward passes run inside this context; with ``enabled`` False count
         nothing (no hooks, no cost) and mark the numbers as not this iteration's."""
         self.tracking = enabled
+        self.tracked_once = self.tracked_once or enabled
         if not enabled:
             yield self
             return

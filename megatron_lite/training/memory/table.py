@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_lite.training.memory.pipeline import gather_memory_across_pp_group, print_rank_last
 from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
-from megatron_lite.training.memory.report import report_memory
+from megatron_lite.training.memory.report import _cuda_in_use, report_memory
 
 if TYPE_CHECKING:
     from megatron_lite.training.config import ConfigContainer
@@ -67,7 +67,7 @@ def print_memory_table(config: ConfigContainer, pg_collection) -> None:
     _, stages = gather_memory_across_pp_group(report_memory(config.logger.memory_keys), pg_collection.pp)
     # The table shows the last rank's pipeline: predict for its dp x cp rank, on its device.
     dp_cp = pg_collection.dp_cp
-    device_type = "cuda" if "mem-max-reserved-gigabytes" in stages[0] else "cpu"
+    device_type = "cuda" if _cuda_in_use() else "cpu"
     predictions = predict_memory_per_stage(config, 0 if dp_cp is None else dist.get_rank(dp_cp), device_type)
     rss = "mem-max-rss-gigabytes" if "mem-max-rss-gigabytes" in stages[0] else None
     print_rank_last(format_memory_table(stages, [p.peak_bytes for p in predictions], rss))
