@@ -20,6 +20,12 @@ sequence parallelism, V' = V / tp, f = the MLP's fc2 width per TP rank, element 
   CUDA default), and with bf16 parameters and the plain optimizer the fp32 copies of every gradient
   that the fp32 masters take for the step.
 
+No temporary, measured: the first stage's embedding backward (it adds into ``main_grad`` in place,
+embedding_grad.py) and the distributed optimizer's parameter all-gather (into the parameters' own
+buffer). The deferred output-layer wgrad buffers (--defer-embedding-wgrad-compute) are added to the
+schedule's instant as stages.py's ``deferred_wgrad_bytes``; recomputation's re-saved unit is in the
+chunk's backward peak (activations.py).
+
 Left out: buffers of a t h e or smaller each, under 1% of a stage at hidden 128 and up to 7% of a toy
 model of hidden 64 (interleaved with full recomputation): the activations and gradients a pipeline
 schedule has received ahead (the interleaved one holds several), recomputation's saved RNG states
