@@ -1,4 +1,5 @@
-"""Rank and world size that also answer before torch.distributed is initialised."""
+"""Rank and world size that also answer before torch.distributed is initialised, and the rank-gated
+prints built on them (upstream's ``print_rank_0`` / ``print_rank_last``)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,15 @@ def get_world_size_safe() -> int:
 def get_local_rank_preinit() -> int:
     """This process's rank on its node, from the launcher's LOCAL_RANK (0 when unset)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def print_rank_0(message: str) -> None:
+    """Print on global rank 0 only (every rank before torch.distributed is initialized)."""
+    if get_rank_safe() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str) -> None:
+    """Print on the last global rank only, where the loggers live."""
+    if get_rank_safe() == get_world_size_safe() - 1:
+        print(message, flush=True)

@@ -27,11 +27,15 @@ def weights_bytes(model_chunks) -> int:
     return _unique_storage_bytes(p for chunk in model_chunks for p in chunk.parameters())
 
 
-def grads_bytes(model_chunks) -> int:
-    """Bytes of the gradient buffers (DDP's contiguous ``grad_data``), plus any plain ``.grad``."""
+def _grad_tensors(model_chunks) -> list[torch.Tensor]:
+    """The gradient buffers (DDP's contiguous ``grad_data``), plus any plain ``.grad``."""
     buffers = [buf.grad_data for chunk in model_chunks for buf in getattr(chunk, "buffers", [])]
-    plain = [p.grad for chunk in model_chunks for p in chunk.parameters() if p.grad is not None]
-    return _unique_storage_bytes([*buffers, *plain])
+    return buffers + [p.grad for chunk in model_chunks for p in chunk.parameters() if p.grad is not None]
+
+
+def grads_bytes(model_chunks) -> int:
+    """Bytes of the gradient buffers and plain gradients, every storage once."""
+    return _unique_storage_bytes(_grad_tensors(model_chunks))
 
 
 class ModelMemory:
@@ -58,9 +62,7 @@ MODEL_MEMORY = ModelMemory()
 def static_tensors(model_chunks, optimizer) -> list[torch.Tensor]:
     """Every tensor that lives for the whole run: parameters, gradient buffers (and plain grads), the
     optimizer's own parameters (fp32 masters, distributed-optimizer shards) and its state."""
-    tensors = [p for chunk in model_chunks for p in chunk.parameters()]
-    tensors += [buf.grad_data for chunk in model_chunks for buf in getattr(chunk, "buffers", [])]
-    tensors += [p.grad for p in tensors if p.grad is not None]
+    tensors = [p for chunk in model_chunks for p in chunk.parameters()] + _grad_tensors(model_chunks)
     inner = getattr(optimizer, "optimizer", None)
     if inner is not None:
         tensors += [p for group in inner.param_groups for p in group["params"]]

@@ -18,7 +18,7 @@ import torch.distributed
 
 from megatron_lite.core.utils import get_collective_device
 from megatron_lite.training.memory.report import device_memory_capacity_gigabytes, report_memory
-from megatron_lite.utils.common_utils import get_rank_safe, get_world_size_safe
+from megatron_lite.utils.common_utils import print_rank_last
 
 # The headline peak, the first of these the report has: the allocator's on CUDA, the process's on the
 # host, else the saved activations' (a custom --memory-keys selection may lack the first two).
@@ -115,13 +115,6 @@ def gather_memory_across_pp_group(memory_report: dict, pp_group) -> tuple[dict, 
     stages = [_unpack(memory_report, t.tolist()) for t in gathered]
     peak = _unpack(memory_report, torch.stack(gathered).max(dim=0).values.tolist())
     return peak, stages
-
-
-def print_rank_last(message: str) -> None:
-    """Print on the last global rank only, where the loggers live (train_utils' own, which memory/ does
-    not import)."""
-    if get_rank_safe() == get_world_size_safe() - 1:
-        print(message, flush=True)
 
 
 def memory_metrics(

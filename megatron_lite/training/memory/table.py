@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from megatron_lite.training.memory.pipeline import gather_memory_across_pp_group, print_rank_last
+from megatron_lite.training.memory.pipeline import gather_memory_across_pp_group
 from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 from megatron_lite.training.memory.report import _cuda_in_use, report_memory
+from megatron_lite.utils.common_utils import print_rank_last
 
 if TYPE_CHECKING:
     from megatron_lite.training.config import ConfigContainer

@@ -47,7 +47,11 @@ from megatron_lite.training.utils.interval_log import (
     timer_names,
 )
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
-from megatron_lite.utils.common_utils import get_rank_safe, get_world_size_safe
+from megatron_lite.utils.common_utils import (
+    get_world_size_safe,
+    print_rank_0,
+    print_rank_last,
+)
 
 __all__ = [
     # Upstream's train_utils names.
@@ -78,18 +82,6 @@ __all__ = [
     "print_rank_last",
     "report_theoretical_memory",
 ]
-
-
-def print_rank_0(message: str) -> None:
-    """Print on global rank 0 only (every rank before torch.distributed is initialized)."""
-    if get_rank_safe() == 0:
-        print(message, flush=True)
-
-
-def print_rank_last(message: str) -> None:
-    """Print on the last global rank only, where the loggers live."""
-    if get_rank_safe() == get_world_size_safe() - 1:
-        print(message, flush=True)
 
 
 def get_pg_collection(model):
