@@ -66,6 +66,7 @@ def test_cuda_report_has_upstream_names_then_our_extras(mocker):
     from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
 
     mocker.patch.object(ACTIVATION_MEMORY, "tracking", True)  # as after a tracked (reported) step
+    mocker.patch.object(ACTIVATION_MEMORY, "tracked_once", True)
     mocker.patch("torch.cuda.is_available", return_value=True)
     mocker.patch("torch.cuda.is_initialized", return_value=True)
     stats = {k: 1_234_567_890 for k in MEMORY_KEYS} | {"num_alloc_retries": 3, "num_ooms": 2}
@@ -179,7 +180,8 @@ def test_memory_tags_reach_every_sink_with_the_memory_prefix(patched):
 def test_a_memory_report_from_the_loop_is_used_as_given(patched):
     state = _state(3)
     _log(state, _config(log_memory_to_tensorboard=True), memory_report={"memory/mine": 4.0})
-    patched.report.assert_not_called() and patched.reduce.assert_not_called()
+    patched.report.assert_not_called()
+    patched.reduce.assert_not_called()
     state.wandb_logger.log.assert_any_call({"memory/mine": 4.0}, 3)
 
 
@@ -259,7 +261,8 @@ def test_metrics_writer_uses_each_sinks_call_shape():
     run.log.assert_called_once_with({"memory/pp-stage-0/a@b": 2.0}, 7)
     ml.log_metrics.assert_called_once()
     assert list(ml.log_metrics.call_args[0][0]) == ["memory/pp-stage-0/a_b"]
-    tb.add_scalar.assert_not_called() and comet.log_metrics.assert_not_called()
+    tb.add_scalar.assert_not_called()
+    comet.log_metrics.assert_not_called()
     assert not MetricsWriter() and bool(MetricsWriter(comet=comet))
 
 
