@@ -159,13 +159,22 @@ def embedding_saves(x: Shape) -> int:
     return saves + (t * 8 if m.position_embedding_type == "learned_absolute" else 0)
 
 
+def vocab_per_rank(x: Shape) -> int:
+    """The padded vocabulary's share of one tensor-parallel rank."""
+    return x.m.padded_vocab_size // x.m.tensor_model_parallel_size
+
+
+def loss_saves(x: Shape) -> int:
+    """The last chunk's saves from the cross entropy on: its fp32 softmax over this rank's vocabulary,
+    its target mask (bool) and local targets (int64), and the loss mask (fp32)."""
+    t = x.tokens
+    return t * vocab_per_rank(x) * 4 + t * (1 + 8) + t * 4
+
+
 def output_saves(x: Shape) -> int:
-    """The last chunk's final norm, the output layer's input, the cross entropy's fp32 softmax over
-    this rank's vocabulary, its target mask (bool) and local targets (int64), and the loss mask (fp32)."""
-    m, t = x.m, x.tokens
-    vocab = m.padded_vocab_size // m.tensor_model_parallel_size
+    """The last chunk's final norm, the output layer's input, and the loss's saves."""
     norm = sum(_norm_saves(x, "final_layernorm").values())
-    return norm + x.norm_tokens * m.hidden_size * x.elt + t * vocab * 4 + t * (1 + 8) + t * 4
+    return norm + x.norm_tokens * x.m.hidden_size * x.elt + loss_saves(x)
 
 
 def deferred_wgrad_bytes(x: Shape, num_microbatches: int) -> int:
@@ -179,7 +188,7 @@ def deferred_wgrad_bytes(x: Shape, num_microbatches: int) -> int:
         return 0
     n = min(m.wgrad_deferral_limit or num_microbatches, num_microbatches)
     inputs = n - 1 if n == num_microbatches else n
-    vocab = m.padded_vocab_size // m.tensor_model_parallel_size
+    vocab = vocab_per_rank(x)
     return inputs * x.norm_tokens * m.hidden_size * x.elt + n * x.tokens * vocab * x.elt
 
 

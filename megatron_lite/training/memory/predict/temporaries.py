@@ -37,23 +37,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.training.memory.predict.activations import ChunkActivations, Shape
-
-
-def _vocab(x: Shape) -> int:
-    m = x.m
-    return m.padded_vocab_size // m.tensor_model_parallel_size
-
-
-def loss_saves(x: Shape) -> int:
-    """The last chunk's saves made at and after the cross entropy's shift: the fp32 softmax t V' 4,
-    the target mask and local targets t 9, the loss mask t 4 (a part of ``output_saves``)."""
-    return x.tokens * _vocab(x) * 4 + x.tokens * 9 + x.tokens * 4
+from megatron_lite.training.memory.predict.activations import (
+    ChunkActivations,
+    Shape,
+    loss_saves,
+    vocab_per_rank,
+)
 
 
 def loss_forward_extra(x: Shape) -> int:
     """At the cross entropy's shift: the logits, their fp32 upcast (when not fp32) and the shifted copy."""
-    t, vocab = x.tokens, _vocab(x)
+    t, vocab = x.tokens, vocab_per_rank(x)
     upcast = t * vocab * 4 if x.elt != 4 else 0
     return t * vocab * x.elt + upcast + t * vocab * 4
 
@@ -62,7 +56,7 @@ def output_backward_extra(x: Shape) -> int:
     """The output layer's backward: input gradient, the re-gathered input under SP, weight gradient."""
     m, t, e = x.m, x.tokens, x.elt
     full = t * m.hidden_size * e
-    return full + (full if m.sequence_parallel else 0) + _vocab(x) * m.hidden_size * e
+    return full + (full if m.sequence_parallel else 0) + vocab_per_rank(x) * m.hidden_size * e
 
 
 def layer_backward_extra(x: Shape) -> int:
