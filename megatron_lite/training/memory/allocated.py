@@ -79,7 +79,6 @@ class AllocatedMemoryTracker:
         self.static_source = None  # a callable returning the tensors that count as static
         self._live: dict[int, list] = {}  # storage id -> [bytes, weak reference, static]
         self._lock = threading.RLock()  # a weak-reference callback may run in another thread
-        self._scanned = False
 
     # Registration -------------------------------------------------------------------------------
     def _forget(self, key: int) -> None:
@@ -131,13 +130,12 @@ class AllocatedMemoryTracker:
         self.static_source = tensors_fn
 
     def _register_existing(self) -> None:
-        if not self._scanned:
+        if not self.tracked_once:
             # Once: every storage Python can reach (no autograd graph is alive between iterations).
             tensor_base, strided = torch._C.TensorBase, torch.strided
             for obj in gc.get_objects():
                 if issubclass(type(obj), tensor_base) and obj.device.type == "cpu" and obj.layout == strided:
                     self._add(obj.untyped_storage())
-            self._scanned = True
         for t in self.static_source() if self.static_source is not None else ():
             if t.device.type == "cpu":
                 self._add(t.untyped_storage(), static=True)
@@ -151,8 +149,8 @@ class AllocatedMemoryTracker:
         if not enabled:
             yield self
             return
-        self.tracked_once = True
         self._register_existing()
+        self.tracked_once = True
         with _CountingMode(self):
             yield self
 
