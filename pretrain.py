@@ -33,23 +33,30 @@ def _raise_exit(signum, frame):
 
 def worker_main(argv: list[str]) -> int:
     from megatron_lite.training.arguments import parse_args
+    from megatron_lite.training.utils.sig_utils import exit_promptly_on
 
     config = parse_args(argv)
+    stop = {signal.SIGINT}  # with --exit-signal-handler, SIGTERM asks the loop to save and exit 0
     if not config.train.exit_signal_handler:
         signal.signal(signal.SIGTERM, _raise_exit)
+        stop.add(signal.SIGTERM)
+    # Also while blocked in C++ (a rendezvous store that never answers), where no handler runs.
+    exit_promptly_on(stop)
 
+    from megatron_lite.core.datasets.utils import DataFileError
     from megatron_lite.training.checkpointing import CheckpointError
     from megatron_lite.training.gpt_step import forward_step
     from megatron_lite.training.memory.postmortem import OutOfMemoryPostMortem
     from megatron_lite.training.pretrain import pretrain
     from megatron_lite.training.state import LoggerStartupError
+    from megatron_lite.utils.atomic_io import WriteFailedError
 
     try:
         pretrain(config, forward_step)
-    except (CheckpointError, LoggerStartupError) as err:
+    except (CheckpointError, LoggerStartupError, DataFileError) as err:
         _report(f"pretrain.py: error: {err}")
         return 2
-    except OutOfMemoryPostMortem as err:
+    except (OutOfMemoryPostMortem, WriteFailedError) as err:  # a full disk: one line, not a traceback
         _report(f"pretrain.py: error: {err}")
         return 1
     except KeyboardInterrupt:

@@ -153,3 +153,29 @@ def test_cache_is_reused_for_the_same_config_and_never_for_another(tmp_path, pre
     rebuilt = build(1)
     assert not isinstance(rebuilt.shuffle_index, np.memmap)
     assert np.array_equal(rebuilt.shuffle_index, first.shuffle_index)
+
+
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        (b"garbage", "not a readable index cache"),
+        (None, "an index cache of float32 values"),  # another writer's array, not indices
+    ],
+    ids=["not-an-array", "float-values"],
+)
+def test_an_unreadable_cache_is_one_line_naming_the_file(tmp_path, prefixes, content, words):
+    from megatron_lite.core.datasets.utils import DataFileError
+
+    def build():
+        cfg, _ = _configs(tmp_path, blend=([prefixes[0]], None), split="1,0,0")
+        return BlendedMegatronDatasetBuilder(GPTDataset, [60, None, None], lambda: True, cfg).build()[0]
+
+    first = build()
+    bad = tmp_path / "ours" / f"{first.unique_description_hash}-GPTDataset-train-sample_index.npy"
+    if content is None:
+        np.save(bad, np.zeros(4, np.float32))
+    else:
+        bad.write_bytes(content)
+    with pytest.raises(DataFileError) as err:
+        build()
+    assert str(err.value).startswith(f"{bad}: ") and words in str(err.value) and "\n" not in str(err.value)

@@ -102,3 +102,53 @@ def test_bulk_add_documents_writes_what_upstream_add_document_writes(tmp_path):
     one_by_one.finalize(str(tmp_path / "one.idx"))
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"bulk{ext}").read_bytes() == (tmp_path / f"one{ext}").read_bytes()
+
+
+def _one_document(tmp_path):
+    builder = ours.IndexedDatasetBuilder(str(tmp_path / "x.bin"), dtype=np.uint16)
+    builder.add_document(torch.arange(100), [100])
+    builder.finalize(str(tmp_path / "x.idx"))
+    return tmp_path / "x.idx", tmp_path / "x.bin"
+
+
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:40]), "the file is truncated or corrupt"),
+        (
+            lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:18] + b"\xff" * 8 + idx.read_bytes()[26:]),
+            "header's",
+        ),
+        (
+            lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:17] + b"\x63" + idx.read_bytes()[18:]),
+            "dtype code 99",
+        ),
+        (lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:50]), "the .bin is truncated"),
+    ],
+    ids=["truncated-idx", "corrupt-count", "corrupt-dtype", "truncated-bin"],
+)
+def test_a_damaged_index_or_bin_is_one_line_naming_the_file(tmp_path, damage, words):
+    idx, bin_ = _one_document(tmp_path)
+    damage(idx, bin_)
+    with pytest.raises(ValueError) as err:
+        ours.IndexedDataset(str(tmp_path / "x"))
+    message = str(err.value)
+    assert words in message and "\n" not in message and (str(idx) in message or str(bin_) in message)
+
+
+def test_check_finds_a_corrupt_sequence_in_the_middle(tmp_path):
+    """Opening looks at the header and the last sequence only; check() (run once, when the run's
+    input is validated) reads every sequence's extent and the document order."""
+    builder = ours.IndexedDatasetBuilder(str(tmp_path / "x.bin"), dtype=np.uint16)
+    for n in (10, 20, 30):
+        builder.add_document(torch.arange(n), [n])
+    builder.finalize(str(tmp_path / "x.idx"))
+    ours.IndexedDataset(str(tmp_path / "x")).check()
+    idx = tmp_path / "x.idx"
+    header = 9 + 8 + 1 + 8 + 8
+    data = bytearray(idx.read_bytes())
+    data[header : header + 4] = np.int32(-5).tobytes()  # the first sequence's length
+    idx.write_bytes(bytes(data))
+    dataset = ours.IndexedDataset(str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="a sequence lies outside .*x.bin"):
+        dataset.check()

@@ -66,7 +66,10 @@ def test_preflight_bad_input_is_one_line_and_exit_2(tmp_path):
     argv = readme_cluster_argv()
     for extra, message in (
         (["--memory-preflight"], "--memory-preflight: needs --device-memory-gb"),
-        (["--memory-preflight", "--device-memory-gb", "-3"], "--device-memory-gb: a positive number of GB"),
+        (
+            ["--memory-preflight", "--device-memory-gb", "-3"],
+            "--device-memory-gb: must be a finite number > 0 (GB)",
+        ),
         (["--device-memory-gb", "80"], "--memory-preflight: is a mode of pretrain.py"),
     ):
         result = run_pretrain([*argv, *extra], tmp_path)

@@ -4,6 +4,7 @@ map onto the config, and each bad input is one line before anything starts."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -110,6 +111,18 @@ def test_indices_are_cached_under_data_cache_path_only(corpus, trained):
     assert not (corpus[0] / "docs_text_document").exists()  # upstream's default place, unused here
 
 
+def test_an_unreadable_index_cache_is_one_line_from_the_workers(corpus, trained, tmp_path):
+    run, _, _ = trained
+    cache = tmp_path / "cache"
+    shutil.copytree(run / "cache", cache)
+    bad = next(cache.glob("*-GPTDataset-train-shuffle_index.npy"))
+    bad.write_bytes(b"not an array")
+    result = run_pretrain([*MODEL, *_data(corpus, "--data-cache-path", str(cache))], tmp_path, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{bad}: not a readable index cache" in lines[0], result.stderr
+
+
 def test_data_flags_map_onto_the_dataset_and_tokenizer_sections(corpus, tmp_path, capsys):
     _root, prefix, vocab, merges = corpus
     cfg = parse_args(
@@ -144,7 +157,47 @@ def _bad_inputs(root, prefix, vocab, merges):
     only_bin.mkdir(exist_ok=True)
     (only_bin / "d.bin").write_bytes(b"")
     gpt2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+    damaged = root / "damaged"  # malformed files: each one line naming the file, none a traceback
+    damaged.mkdir(exist_ok=True)
+    (damaged / "vocab.json").write_text('{"a": 1,,')
+    (damaged / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    for name, keep in (("short_idx", (100, None)), ("short_bin", (None, 1000))):
+        for ext, cut in zip((".idx", ".bin"), keep):
+            data = open(prefix + ext, "rb").read()
+            (damaged / f"{name}{ext}").write_bytes(data[:cut] if cut else data)
     return [
+        (["--data-path", str(damaged / "short_idx"), *gpt2], "--data-path", "short_idx.idx: 100 bytes"),
+        (
+            ["--data-path", str(damaged / "short_bin"), *gpt2],
+            "--data-path",
+            "short_bin.bin: 1000 bytes",
+            "truncated",
+        ),
+        (
+            [
+                "--data-path",
+                prefix,
+                *gpt2[:2],
+                "--vocab-file",
+                str(damaged / "vocab.json"),
+                "--merge-file",
+                merges,
+            ],
+            "--vocab-file",
+            "cannot be built from its files",
+        ),
+        (
+            [
+                "--data-path",
+                prefix,
+                "--tokenizer-type",
+                "HuggingFaceTokenizer",
+                "--tokenizer-model",
+                str(damaged / "tokenizer.json"),
+            ],
+            "--tokenizer-model",
+            "EOF while parsing",
+        ),
         (["--data-path", str(root / "missing"), *gpt2], "--data-path", "not found"),
         (["--data-path", str(only_bin / "d"), *gpt2], "--data-path", "d.idx not found"),
         (

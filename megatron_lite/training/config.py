@@ -43,6 +43,7 @@ from megatron_lite.training.config_sections import (
 )
 from megatron_lite.training.data_checks import check_data, resolve_vocab_size
 from megatron_lite.training.dataset_config import DataloaderConfig, GPTDatasetConfig, MockGPTDatasetConfig
+from megatron_lite.training.flag_ranges import check_config_ranges
 from megatron_lite.training.layout_checks import check_deferred_wgrad, check_divisibility
 from megatron_lite.training.tokenizers.config import TokenizerConfig
 from megatron_lite.training.utils.config_utils import _ConfigContainerBase
@@ -169,6 +170,7 @@ class ConfigContainer(_ConfigContainerBase):
 
     def validate(self) -> None:
         """Finalize every section, derive values, and raise ConfigError for the first problem."""
+        check_config_ranges(self)  # before anything divides by a size or derives from a rate
         for section in (self.dataset, self.ddp, self.optimizer, self.model):
             if hasattr(section, "finalize"):
                 section.finalize()

@@ -156,7 +156,6 @@ def check_ranges(cfg) -> None:
         "--log-interval": lg.log_interval,
         "--tensorboard-log-interval": lg.tensorboard_log_interval,
         "--tensorboard-queue-size": lg.tensorboard_queue_size,
-        "--eval-iters": v.eval_iters,
         "--distributed-timeout-minutes": cfg.dist.distributed_timeout_minutes,
     }
     optional_positive = {
@@ -167,37 +166,14 @@ def check_ranges(cfg) -> None:
         "--lr-decay-iters": s.lr_decay_iters,
         "--lr-decay-samples": s.lr_decay_samples,
     }
-    for flag, value in positive.items():
+    for flag, value in {**positive, "--eval-iters": v.eval_iters}.items():
         if value is None:
             raise ConfigError(flag, "must be set")
     for flag, value in {**positive, **{k: x for k, x in optional_positive.items() if x is not None}}.items():
         if value <= 0:
             raise ConfigError(flag, f"must be a positive integer, got {value}")
-    for flag, value in {
-        "--lr": o.lr,
-        "--min-lr": o.min_lr,
-        "--weight-decay": o.weight_decay,
-        "--clip-grad": o.clip_grad,
-        "--init-method-std": m.init_method_std,
-        "--lr-warmup-iters": s.lr_warmup_iters,
-        "--lr-warmup-samples": s.lr_warmup_samples,
-        "--lr-warmup-init": s.lr_warmup_init,
-        "--num-workers": getattr(cfg.dataset, "num_workers", 0),
-    }.items():
-        if value < 0:
-            raise ConfigError(flag, f"must be >= 0, got {value}")
-    for flag, value in {
-        "--hidden-dropout": m.hidden_dropout,
-        "--attention-dropout": m.attention_dropout,
-        "--adam-beta1": o.adam_beta1,
-        "--adam-beta2": o.adam_beta2,
-    }.items():
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(flag, f"must be in [0, 1), got {value}")
     if o.min_lr > o.lr:
         raise ConfigError("--min-lr", f"must not exceed --lr ({o.min_lr} > {o.lr})")
-    if s.lr_warmup_fraction is not None and not 0.0 <= s.lr_warmup_fraction <= 1.0:
-        raise ConfigError("--lr-warmup-fraction", f"must be in [0, 1], got {s.lr_warmup_fraction}")
     if s.lr_decay_style not in _SUPPORTED_DECAY_STYLES:
         raise ConfigError("--lr-decay-style", f"must be constant, linear or cosine, got {s.lr_decay_style!r}")
     mpe = m.max_position_embeddings or m.seq_length

@@ -284,17 +284,13 @@ class ProfilingConfig:
             "Exactly one of pytorch or nsys profiler should be enabled, not both",
         )
         require(
-            self.profile_step_start >= 0,
-            "profiling",
-            f"profile_step_start must be >= 0, got {self.profile_step_start}",
-        )
-        require(
-            self.profile_step_end >= 0,
-            "profiling",
-            f"profile_step_end must be >= 0, got {self.profile_step_end}",
-        )
-        require(
             self.profile_step_end >= self.profile_step_start,
             "profiling",
             f"profile_step_end ({self.profile_step_end}) must be >= profile_step_start ({self.profile_step_start})",
+        )
+        # torch.profiler records steps start .. end - 1: start == end would record none (and it refuses).
+        require(
+            not self.use_pytorch_profiler or self.profile_step_end > self.profile_step_start,
+            "--profile-step-end",
+            f"must exceed --profile-step-start ({self.profile_step_start}) with --use-pytorch-profiler",
         )

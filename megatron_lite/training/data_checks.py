@@ -117,6 +117,8 @@ def _documents(flag: str, prefix: str) -> int:
     from megatron_lite.core.datasets.indexed_dataset import IndexedDataset
 
     try:
-        return len(IndexedDataset(prefix, mmap=False))
+        dataset = IndexedDataset(prefix, mmap=False)
+        dataset.check()
+        return len(dataset)
     except (OSError, ValueError) as err:
         raise ConfigError(flag, f"{prefix}: {err}") from None

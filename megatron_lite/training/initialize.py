@@ -42,7 +42,7 @@ def set_random_seeds(seed: int) -> None:
     try:
         import numpy as np
 
-        np.random.seed(seed)
+        np.random.seed(seed % 2**32)  # NumPy's seeds are 32-bit; a stage adds 100 x its rank to --seed
     except ImportError:
         pass
 

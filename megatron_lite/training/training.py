@@ -209,6 +209,7 @@ def train(forward_step_func, setup_output) -> None:
                 dump_memory_snapshot(prof_config.memory_snapshot_path)
             if (
                 config.validation.eval_interval
+                and config.validation.eval_iters > 0  # --eval-iters 0: no validation, as upstream
                 and ts.step % config.validation.eval_interval == 0
                 and s.valid_data_iterator
             ):

@@ -1,1 +1,1 @@
-"""Helpers shared by the training and model packages (upstream: megatron.bridge.utils)."""
+"""Helpers shared by every layer, importing nothing of megatron_lite (upstream: megatron.bridge.utils)."""

@@ -19,6 +19,8 @@ from enum import Enum
 import numpy
 import torch
 
+from megatron_lite.core.datasets.utils import DataFileError
+
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _HEADER_BYTES = len(_INDEX_HEADER) + 8 + 1 + 8 + 8
 
@@ -71,12 +73,23 @@ class _IndexReader:
         with open(idx_path, "rb") as stream:
             header = stream.read(_HEADER_BYTES)
         if len(header) < _HEADER_BYTES or header[:9] != _INDEX_HEADER:
-            raise ValueError(f"bad header, cannot read: {idx_path}")
+            raise DataFileError(f"bad header, cannot read: {idx_path}")
         version, code, self.sequence_count, self.document_count = struct.unpack("<QBQQ", header[9:])
         if version != 1:
-            raise ValueError(f"bad version {version}, cannot read: {idx_path}")
+            raise DataFileError(f"bad version {version}, cannot read: {idx_path}")
+        if code not in {c.value for c in DType}:
+            raise DataFileError(f"{idx_path}: unknown dtype code {code}; the file is corrupt")
         self.dtype = DType.dtype_from_code(code)
         self.dtype_size = DType.size(self.dtype)
+        # The header's counts fix the file's size: a truncated or corrupt index is caught here, not
+        # as a numpy error (or a wild read) later.
+        n, size = self.sequence_count, os.path.getsize(idx_path)
+        expected = _HEADER_BYTES + n * (4 + 8) + self.document_count * 8
+        if size not in (expected, expected + n):  # + n: a multimodal index's modes, read or not
+            raise DataFileError(
+                f"{idx_path}: {size} bytes, but its header's {n} sequences and {self.document_count} "
+                f"documents take {expected + (n if multimodal else 0)}; the file is truncated or corrupt"
+            )
         buffer = numpy.memmap(idx_path, mode="r", order="C")
         n, offset = self.sequence_count, _HEADER_BYTES
         self.sequence_lengths = numpy.frombuffer(buffer, numpy.int32, n, offset)
@@ -107,9 +120,38 @@ class IndexedDataset(torch.utils.data.Dataset):
             )
         self.path_prefix, self.multimodal, self.mmap = path_prefix, multimodal, mmap
         self.index = _IndexReader(idx_path, multimodal)
-        if self.index.document_count == 0 or self.index.document_indices[-1] != len(self.index):
-            raise ValueError(f"{idx_path}: document indices do not end at the sequence count")
-        self._bin = numpy.memmap(bin_path, mode="r", order="C") if mmap else None
+        index = self.index
+        if index.document_count == 0 or index.document_indices[-1] != len(index):
+            raise DataFileError(f"{idx_path}: document indices do not end at the sequence count")
+        needed = (
+            int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
+            if len(index)
+            else 0
+        )
+        size = os.path.getsize(bin_path)
+        if size < needed:
+            raise DataFileError(
+                f"{bin_path}: {size} bytes, but {idx_path} indexes {needed}; "
+                "the .bin is truncated or belongs to another index"
+            )
+        self._bin = numpy.memmap(bin_path, mode="r", order="C") if mmap and needed else None
+
+    def check(self) -> None:
+        """Every sequence inside the .bin and the document indices in order: DataFileError naming the
+        file otherwise. Reads the whole index (vectorised), so it runs once, where the run's input is
+        validated, not on every open."""
+        index, idx_path = self.index, get_idx_path(self.path_prefix)
+        lengths, pointers = index.sequence_lengths, index.sequence_pointers
+        ends = pointers + lengths.astype(numpy.int64) * index.dtype_size
+        bin_size = os.path.getsize(get_bin_path(self.path_prefix))
+        if len(index) and (lengths.min() < 0 or pointers.min() < 0 or ends.max() > bin_size):
+            raise DataFileError(
+                f"{idx_path}: a sequence lies outside {get_bin_path(self.path_prefix)} ({bin_size} bytes); "
+                "the index is corrupt or belongs to another .bin"
+            )
+        docs = index.document_indices
+        if docs[0] != 0 or (numpy.diff(docs) < 0).any():
+            raise DataFileError(f"{idx_path}: document indices out of order; the file is corrupt")
 
     def __getstate__(self):
         return (self.path_prefix, self.multimodal, self.mmap)

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import numpy
 import torch
 
-from megatron_lite.core.datasets.utils import Split
+from megatron_lite.core.datasets.utils import DataFileError, Split
+from megatron_lite.utils.atomic_io import atomic_write_bytes
 
 _PAD_TOKEN_ID = -1
 
@@ -51,6 +52,22 @@ class MegatronDataset(torch.utils.data.Dataset):
         return ["random_seed", "sequence_length", "split", "split_matrix", "tokenizer"]
 
 
+def _load_cached(path: str) -> numpy.ndarray:
+    try:
+        array = numpy.load(path, allow_pickle=False, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as err:  # numpy's words for a file that is not an array
+        reason = str(err).split(". ")[0].splitlines()[0][:120]
+        raise DataFileError(
+            f"{path}: not a readable index cache ({reason}); remove it and the files beside it with the "
+            "same prefix to rebuild them"
+        ) from None
+    if array.dtype.kind not in "iu":
+        raise DataFileError(
+            f"{path}: an index cache of {array.dtype} values, not indices; remove it to rebuild"
+        )
+    return array
+
+
 def cached_arrays(
     path_to_cache: str | None, base: str, description: str, names: list[str], build: Callable[[], list]
 ) -> list[numpy.ndarray]:
@@ -63,17 +80,10 @@ def cached_arrays(
     if os.path.isfile(path("description.txt")) and all(map(os.path.isfile, files)):
         with open(path("description.txt")) as f:
             if f.read() == description:
-                return [numpy.load(p, allow_pickle=False, mmap_mode="r") for p in files]
+                return [_load_cached(p) for p in files]
     arrays = build()
     os.makedirs(path_to_cache, exist_ok=True)
     for file, array in zip(files, arrays):
-        _atomic_write(file, lambda f, a=array: numpy.save(f, a, allow_pickle=False))
-    _atomic_write(path("description.txt"), lambda f: f.write(description.encode("utf-8")))
+        atomic_write_bytes(file, lambda f, a=array: numpy.save(f, a, allow_pickle=False), array.nbytes)
+    atomic_write_bytes(path("description.txt"), lambda f: f.write(description.encode("utf-8")))
     return arrays
-
-
-def _atomic_write(path: str, write: Callable) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)

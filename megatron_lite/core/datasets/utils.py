@@ -7,6 +7,11 @@ from enum import Enum
 import numpy
 
 
+class DataFileError(ValueError):
+    """A data file (``.idx``, ``.bin``, an index cache) that cannot be used as it is; ``str(err)`` is
+    one line naming the file and what is wrong with it."""
+
+
 class Split(Enum):
     train = 0
     valid = 1

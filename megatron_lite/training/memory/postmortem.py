@@ -27,7 +27,7 @@ from megatron_lite.training.memory.predict.stages import predict_memory_per_stag
 from megatron_lite.training.memory.report import report_memory
 from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
 from megatron_lite.training.memory.snapshots import dump_memory_snapshot, oom_snapshot_path
-from megatron_lite.training.utils.atomic_io import atomic_write_bytes
+from megatron_lite.utils.atomic_io import atomic_write_bytes
 
 if TYPE_CHECKING:
     from megatron_lite.training.config import ConfigContainer

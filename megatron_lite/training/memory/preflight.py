@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
 from megatron_lite.training.config_errors import ConfigError
+from megatron_lite.training.flag_ranges import RANGES, check_value
 
 RESERVE_FRACTION = 0.10
 PREFLIGHT_FLAGS = ("--memory-preflight", "--device-memory-gb")
@@ -247,11 +248,11 @@ def main(argv: list[str]) -> int:
             value = arg.split("=", 1)[1] if "=" in arg else next(it, None)
             try:
                 capacity = float(value)
-            except (TypeError, ValueError):
-                capacity = -1.0
-            if not capacity > 0:
+                check_value("--device-memory-gb", capacity)
+            except (TypeError, ValueError):  # ConfigError is a ValueError
                 print(
-                    f"pretrain.py: error: --device-memory-gb: a positive number of GB, got {value!r}",
+                    f"pretrain.py: error: --device-memory-gb: must be {RANGES['--device-memory-gb']} (GB), "
+                    f"got {value!r}",
                     file=sys.stderr,
                 )
                 return 2

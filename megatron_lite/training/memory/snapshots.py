@@ -13,7 +13,7 @@ import pickle
 
 import torch
 
-from megatron_lite.training.utils.atomic_io import atomic_write_bytes
+from megatron_lite.utils.atomic_io import atomic_write_bytes
 
 MAX_ENTRIES = 100_000  # allocation events kept, as upstream
 

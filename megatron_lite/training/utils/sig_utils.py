@@ -1,9 +1,12 @@
-"""A signal trap (SIGTERM by default) whose verdict all ranks agree on."""
+"""A signal trap (SIGTERM by default) whose verdict all ranks agree on, and the watchdog that ends a
+worker promptly on a stop signal in every phase."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from typing import Any
 
 import torch
@@ -74,3 +77,31 @@ class DistributedSignalHandler:
             signal.signal(self.sig, previous)
         self.released = True
         return True
+
+
+STOP_GRACE_S = 10.0
+
+
+def exit_promptly_on(signals: set[int], grace_s: float = STOP_GRACE_S) -> None:
+    """After one of ``signals``, this process is gone within ``grace_s`` seconds, whatever it is doing.
+
+    Python runs a signal handler only between bytecodes: a main thread blocked in C++ (connecting to a
+    rendezvous store that never answers, a collective waiting on a dead peer) would not see SIGTERM
+    until that call returned, minutes later. The interpreter's C handler also writes each signal's
+    number to the wakeup pipe set here; a daemon thread waiting on it gives the main thread ``grace_s``
+    to unwind through its own handler (closing loggers; a save in progress is atomic, so the previous
+    checkpoint stays whole), then ends the process with 128 + the signal's number. Each signal needs
+    a Python-level handler (SIG_DFL ends the process at once anyway). Main thread only.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            for signum in os.read(read_fd, 64):
+                if signum in signals:
+                    time.sleep(grace_s)
+                    os._exit(128 + signum)
+
+    threading.Thread(target=watch, name="stop-signal-watchdog", daemon=True).start()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-import torch
+from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
 
 
 def get_distributed_optimizer_checkpoint_name(model_checkpoint_name: str) -> str:
@@ -40,17 +40,16 @@ def optimizer_format_error(root: str, iteration: int, payload: dict, optimizer, 
     return None
 
 
-def load_distributed_optimizer(root: str, path: str, optimizer) -> str | None:
-    """Restore this rank's shards from ``path``; an error line, or None. Reads a file only."""
+def read_distributed_optimizer(root: str, path: str, optimizer) -> dict:
+    """This shard's optimizer state from ``path``, checked against this model before anything loads;
+    CheckpointError otherwise. Reads a file only (never with the older-layout allowlist: this file
+    only ever held tensors and numbers)."""
     shard = os.path.relpath(path, root)
-    try:
-        param_state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # torch raises many types for truncated or garbage files
-        return f"--load {root}: cannot read {shard} ({type(err).__name__}); the file is corrupt or truncated"
+    param_state = load_checkpoint_file(path, root, legacy=False)
+    if not isinstance(param_state, dict):
+        raise CheckpointError(f"--load {root}: {shard} is not a distributed optimizer shard")
     saved = [sum(b) for b in param_state.get("per_bucket_numel_unpadded", [])]
     now = [sum(b) for b in optimizer.per_bucket_numel_unpadded()]
     if saved != now:
-        return f"--load {root}: {shard} holds {saved} parameters but this model has {now}"
-    # Offsets skip the bucket padding: any data-parallel size or bucketing takes its own shard.
-    optimizer.load_parameter_state_from_dp_zero(param_state)
-    return None
+        raise CheckpointError(f"--load {root}: {shard} holds {saved} parameters but this model has {now}")
+    return param_state

@@ -1,0 +1,23 @@
+"""Megatron-layout checkpoints, written atomically and loaded with every rank agreeing.
+
+Layout: ``DIR/iter_0000010/mp_rank_XX[_YYY]/model_optim_rng.pt`` per (tensor, pipeline) rank, written
+by the rank that is 0 in its data x context parallel group (``_YYY`` only with pipeline parallelism,
+as Megatron names them), ``iter_*/metadata.json`` with the parallel layout, and
+``DIR/latest_checkpointed_iteration.txt``. ``layout`` names the files, ``save`` writes them, ``load``
+reads them back through ``safety`` (no file can run code), ``compat`` and ``distrib_optim`` check
+what a checkpoint holds against this run, ``rng`` carries the generators' state.
+"""
+
+from megatron_lite.training.checkpointing.layout import TRACKER, get_checkpoint_name, read_tracker
+from megatron_lite.training.checkpointing.load import load_checkpoint
+from megatron_lite.training.checkpointing.safety import CheckpointError
+from megatron_lite.training.checkpointing.save import save_checkpoint
+
+__all__ = [
+    "TRACKER",
+    "CheckpointError",
+    "get_checkpoint_name",
+    "load_checkpoint",
+    "read_tracker",
+    "save_checkpoint",
+]

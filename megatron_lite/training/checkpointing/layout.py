@@ -1,0 +1,106 @@
+"""Where a checkpoint's files live and what layout they were written for: upstream's names
+(``iter_0000010/mp_rank_XX[_YYY]/model_optim_rng.pt``, ``latest_checkpointed_iteration.txt``) and the
+``metadata.json`` that records the parallel layout."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from megatron_lite.core import parallel_state
+from megatron_lite.training.checkpointing.distrib_optim import get_distributed_optimizer_checkpoint_name
+from megatron_lite.training.checkpointing.safety import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "metadata.json"
+CHECKPOINT_VERSION = 3.0
+
+
+def shard_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def get_checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return os.path.join(
+        root, f"iter_{iteration:07d}", shard_name(tp_rank, pp_rank, pp_size), "model_optim_rng.pt"
+    )
+
+
+def my_shard_name() -> str:
+    return shard_name(
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+
+
+def parallel_layout() -> dict[str, int]:
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+    }
+
+
+def read_tracker(root: str) -> int | None:
+    """The latest iteration in ``root``; None when there is nothing to resume from."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isdir(root) or not os.listdir(root):
+        return None
+    if not os.path.exists(tracker):
+        if any(name.startswith("iter_") for name in os.listdir(root)):
+            raise CheckpointError(
+                f"--load {root}: has checkpoint directories but no {TRACKER}; "
+                "point --load at a complete checkpoint directory"
+            )
+        return None
+    try:
+        with open(tracker) as f:
+            text = f.read().strip()
+        iteration = int(text)
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"--load {root}: {TRACKER} is unreadable or not an iteration number") from None
+    if iteration < 0:
+        raise CheckpointError(f"--load {root}: {TRACKER} holds a negative iteration ({iteration})")
+    return iteration
+
+
+def layout_error(root: str, saved: dict, current: dict) -> str:
+    return (
+        f"--load {root}: saved with tp={saved.get('tensor_model_parallel_size')}, "
+        f"pp={saved.get('pipeline_model_parallel_size')} but this run uses "
+        f"tp={current['tensor_model_parallel_size']}, pp={current['pipeline_model_parallel_size']}; "
+        "resume with the saved layout"
+    )
+
+
+def layout_differs(saved: dict, current: dict) -> bool:
+    return any(
+        saved.get(k) != current[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    )
+
+
+def check_layout(root: str, iteration: int) -> None:
+    """Refuse a checkpoint of another (tp, pp) layout before looking for this rank's shard."""
+    path = os.path.join(root, f"iter_{iteration:07d}", METADATA)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"--load {root}: iteration {iteration} is incomplete (no {METADATA})") from None
+    except (OSError, ValueError):
+        raise CheckpointError(f"--load {root}: iteration {iteration} has an unreadable {METADATA}") from None
+    if not isinstance(saved, dict) or layout_differs(saved, parallel_layout()):
+        raise CheckpointError(layout_error(root, saved if isinstance(saved, dict) else {}, parallel_layout()))
+
+
+def my_optimizer_shard(root: str, iteration: int) -> str:
+    return get_distributed_optimizer_checkpoint_name(
+        get_checkpoint_name(
+            root,
+            iteration,
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+    )

@@ -1,0 +1,115 @@
+"""Loading: every rank checks its shard (layout, architecture, optimizer format) and all agree before
+any state changes; files are read with torch's weights-only unpickler (safety.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from megatron_lite.core import parallel_state
+from megatron_lite.training.checkpointing.agreement import agree
+from megatron_lite.training.checkpointing.compat import checkpoint_model_error
+from megatron_lite.training.checkpointing.distrib_optim import (
+    optimizer_format_error,
+    read_distributed_optimizer,
+    uses_distributed_optimizer,
+)
+from megatron_lite.training.checkpointing.layout import (
+    check_layout,
+    get_checkpoint_name,
+    layout_differs,
+    layout_error,
+    my_optimizer_shard,
+    parallel_layout,
+    read_tracker,
+)
+from megatron_lite.training.checkpointing.rng import set_rng_state
+from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
+from megatron_lite.training.checkpointing.save import model_chunks
+
+
+def _load_model_state(model, payload: dict) -> None:
+    chunks = model_chunks(model)
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    missing = [k for k in keys if k not in payload]
+    if missing:
+        saved = sorted(k for k in payload if k.startswith("model"))
+        raise ValueError(
+            f"it holds {', '.join(saved)} but this run's {len(chunks)} model chunk(s) need {', '.join(keys)}"
+        )
+    for key, chunk in zip(keys, chunks):
+        chunk.load_state_dict(payload[key])
+
+
+def _load_shard(root: str, iteration: int) -> dict:
+    path = get_checkpoint_name(
+        root,
+        iteration,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    shard = os.path.relpath(path, root)
+    if not os.path.exists(path):
+        raise CheckpointError(
+            f"--load {root}: iteration {iteration} has no shard {shard}; the checkpoint is incomplete"
+        )
+    payload = load_checkpoint_file(path, root)
+    if not isinstance(payload, dict) or not any(k == "model" or k.startswith("model0") for k in payload):
+        raise CheckpointError(f"--load {root}: {shard} is not a megatron_lite checkpoint")
+    if layout_differs(payload.get("parallel_layout", {}), parallel_layout()):
+        raise CheckpointError(layout_error(root, payload.get("parallel_layout", {}), parallel_layout()))
+    return payload
+
+
+def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
+    """Restore from ``--load``; returns the loaded iteration (0 when starting fresh). Collective."""
+    cfg = state.cfg.checkpoint
+    payload, param_state, error, iteration = None, None, None, None
+    # Every file is read and checked before any state changes; every rank hears of any rank's error.
+    try:
+        iteration = read_tracker(cfg.load)
+        if iteration is not None:
+            check_layout(cfg.load, iteration)
+            payload = _load_shard(cfg.load, iteration)
+            error = checkpoint_model_error(cfg.load, payload.get("config"), state.cfg.model)
+            if error is None and cfg.load_optim and not cfg.finetune:
+                optimizer_shard = my_optimizer_shard(cfg.load, iteration)
+                error = optimizer_format_error(cfg.load, iteration, payload, optimizer, optimizer_shard)
+                if error is None and uses_distributed_optimizer(optimizer):
+                    param_state = read_distributed_optimizer(cfg.load, optimizer_shard, optimizer)
+    except CheckpointError as err:
+        error = str(err)
+    except Exception as err:  # a config or payload of an unexpected shape: one line, on every rank
+        error = f"--load {cfg.load}: iteration {iteration} cannot be read ({type(err).__name__}: {err})"
+        error = error.splitlines()[0]
+    agree(error)
+    if iteration is None:
+        if dist.get_rank() == 0:
+            print(f" no checkpoint found in {cfg.load}; starting from scratch", flush=True)
+        return 0
+    try:
+        _load_model_state(model, payload)
+        if not cfg.finetune:
+            state.train_state.load_state_dict(payload["train_state"])
+            if cfg.load_optim:
+                optimizer.load_state_dict(payload["optimizer"])
+                if param_state is not None:
+                    # Offsets skip the bucket padding: any data-parallel size or bucketing takes its shard.
+                    optimizer.load_parameter_state_from_dp_zero(param_state)
+                scheduler.load_state_dict(payload["opt_param_scheduler"])
+            if cfg.load_rng:
+                set_rng_state(payload["rng_state"])
+    # AttributeError / TypeError: a train_state field that is no tensor (another format's checkpoint).
+    except (KeyError, RuntimeError, ValueError, TypeError, AttributeError) as err:
+        error = (
+            f"--load {cfg.load}: iteration {iteration} does not match this model ({str(err).splitlines()[0]})"
+        )
+    agree(error)
+    if cfg.finetune:
+        # Fresh optimizer at full learning rate: the schedule restarts with the iteration count.
+        scheduler.step(0)
+    if dist.get_rank() == 0:
+        print(f" successfully loaded checkpoint from {cfg.load} at iteration {iteration}", flush=True)
+    return iteration
