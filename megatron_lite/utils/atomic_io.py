@@ -20,7 +20,7 @@ class WriteFailedError(OSError):
         space = f"; it needs {format_bytes(needed)}" if needed is not None else ""
         free = _free_bytes(directory)
         if free is not None:
-            space += f", {directory} has {format_bytes(free)} free"
+            space += f", {format_bytes(free)} free on its filesystem"
         self.message = f"cannot write {path}: {os_error_reason(cause)}{space}"
 
     def __str__(self) -> str:
