@@ -349,7 +349,7 @@ def test_adjusted_values_are_one_note_on_stdout_not_stderr(capsys):
 
 @pytest.mark.parametrize("units", [False, True, None])
 def test_bf16_on_a_cpu_without_bf16_units_is_one_note(units, capsys, mocker):
-    mocker.patch("megatron_lite.training.config_checks.has_bf16_matrix_units", return_value=units)
+    mocker.patch("megatron_lite.training.config.validate.general.has_bf16_matrix_units", return_value=units)
     mocker.patch("torch.cuda.is_available", return_value=False)
     parse_args(["--bf16"])
     out, err = capsys.readouterr()

@@ -19,7 +19,7 @@ from dist_helpers import PRETRAIN, SMALL_MODEL, parse_losses, run_pretrain
 
 from megatron_lite.training.arguments import parse_args
 from megatron_lite.training.config import ConfigContainer, ConfigError
-from megatron_lite.training.flag_ranges import RANGES
+from megatron_lite.training.config.ranges import RANGES
 
 VALUES = ("0", "-1", "nan", "inf")
 

@@ -10,7 +10,7 @@ from dist_helpers import SMALL_MODEL, loss_lines, run_pretrain
 
 from megatron_lite.training import profiling
 from megatron_lite.training.arguments import parse_args
-from megatron_lite.training.config_sections import ProfilingConfig
+from megatron_lite.training.config.profiling import ProfilingConfig
 
 PIPELINE = [*SMALL_MODEL, "--pipeline-model-parallel-size", "2", "--train-iters", "4", "--seed", "3"]
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from dist_helpers import run_world
 
+import megatron_lite.core.pipeline_parallel.microbatches as microbatch_steps  # where the patched steps live
 import megatron_lite.core.pipeline_parallel.schedules as schedules
 from megatron_lite.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron_lite.core.hyper_comm_grid import HyperCommGrid
@@ -183,7 +184,7 @@ def test_forward_step_other_outputs():
 def test_backward_step_uses_custom_backward_for_freed_outputs(mocker):
     x = torch.tensor([1.0, 2.0], requires_grad=True)
     y = (x * 3).sum()
-    spy = mocker.spy(schedules, "custom_backward")
+    spy = mocker.spy(microbatch_steps, "custom_backward")
     grad = schedules.backward_step(x, y, None, _config(deallocate_pipeline_outputs=True))
     assert spy.call_count == 1 and torch.equal(grad, torch.tensor([3.0, 3.0]))
     x2 = torch.tensor([1.0], requires_grad=True)
@@ -272,9 +273,9 @@ def _run_1f1b(monkeypatch, stage, stages, microbatches, forward_only=False, call
     cfg = _config(**cfg)
     p2p = _RecordingP2P(stage, stages, cfg, [] if calls is None else calls)
     monkeypatch.setattr(
-        schedules, "forward_step", lambda *a, **kw: (p2p._record("F", torch.ones(1)), torch.tensor(0))
+        microbatch_steps, "forward_step", lambda *a, **kw: (p2p._record("F", torch.ones(1)), torch.tensor(0))
     )
-    monkeypatch.setattr(schedules, "backward_step", lambda *a, **kw: p2p._record("B"))
+    monkeypatch.setattr(microbatch_steps, "backward_step", lambda *a, **kw: p2p._record("B"))
     model = SimpleNamespace(config=cfg, parameters=lambda: [])
     schedules.forward_backward_pipelining_without_interleaving(
         forward_step_func=None,

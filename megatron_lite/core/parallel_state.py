@@ -93,6 +93,9 @@ _STATE: _ParallelState | None = None
 _OVERRIDES: dict[str, int | None] = {}
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK: int | None = None
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE: int | None = None
+# What higher layers keep per group and must let go with the groups (the pipeline package's
+# shared-memory channels): registered by them, so this module imports nothing above it.
+_DESTROY_HOOKS: list = []
 
 _DESCRIPTIONS = {
     "tp": "tensor model parallel",
@@ -295,11 +298,15 @@ def destroy_model_parallel() -> None:
     _OVERRIDES.clear()
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
-    # The pipeline p2p channels set up per group go with the groups (file descriptors, /dev/shm);
-    # imported here because the pipeline package imports this module.
-    from megatron_lite.core.pipeline_parallel.shared_memory_p2p import release_shared_memory_channels
+    for hook in _DESTROY_HOOKS:
+        hook()
 
-    release_shared_memory_channels()
+
+def register_destroy_hook(hook) -> None:
+    """Call ``hook()`` in every later destroy_model_parallel (once per hook, however often registered):
+    for state a higher layer keeps per group, such as the pipeline's shared-memory channels."""
+    if hook not in _DESTROY_HOOKS:
+        _DESTROY_HOOKS.append(hook)
 
 
 def _state() -> _ParallelState:

@@ -96,15 +96,6 @@ def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_mod
     return model if return_model_obj else getattr(model, attr)
 
 
-def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
-    """Run the output layer's deferred weight-gradient GEMMs (``--defer-embedding-wgrad-compute``) at
-    the pipeline flush, adding each into ``weight.main_grad``. Collective over ``tp_group`` under
-    sequence parallelism."""
-    from megatron_lite.core.tensor_parallel.linear_wgrad import drain_wgrad
-
-    drain_wgrad(embedding_activation_buffer, grad_output_buffer, weight, tp_group, config.sequence_parallel)
-
-
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
@@ -138,3 +129,13 @@ def get_pg_size(group=None) -> int:
 def get_pg_rank(group=None) -> int:
     """This process's rank in ``group``; 0 when there is no group."""
     return 0 if group is None else group.rank()
+
+
+def __getattr__(name: str):
+    # Upstream's path to the deferred output-layer GEMMs' drain, which lives with those GEMMs
+    # (tensor_parallel.linear_wgrad imports this module, so it cannot be imported here up front).
+    if name == "drain_embedding_wgrad_compute":
+        from megatron_lite.core.tensor_parallel.linear_wgrad import drain_embedding_wgrad_compute
+
+        return drain_embedding_wgrad_compute
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from megatron_lite.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron_lite.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron_lite.data.samplers import build_pretraining_data_loader
-from megatron_lite.training.data_checks import get_tokenizer
-from megatron_lite.training.utils.train_utils import print_rank_0
+from megatron_lite.training.tokenizers import get_tokenizer
+from megatron_lite.utils.common_utils import print_rank_0
 
 
 def get_train_valid_test_num_samples(config) -> tuple[int, int, int]:

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from megatron_lite.core.activations import squared_relu
 from megatron_lite.training.config import ConfigContainer, ConfigError
-from megatron_lite.training.config_sections import ProfilingConfig
+from megatron_lite.training.config.flags import FLAGS, PROFILING_FLAGS, UNSUPPORTED_FLAGS
+from megatron_lite.training.config.profiling import ProfilingConfig
+from megatron_lite.training.config.ranges import check_parsed_flags
 from megatron_lite.training.data_arguments import dataset_from_args, prepare_dataset_section
-from megatron_lite.training.flag_ranges import check_parsed_flags
-from megatron_lite.training.flags import FLAGS, PROFILING_FLAGS, UNSUPPORTED_FLAGS
 from megatron_lite.training.parallel_arguments import virtual_pipeline_from_args
 
 

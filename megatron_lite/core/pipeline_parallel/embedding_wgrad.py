@@ -6,7 +6,8 @@ when it would otherwise wait for the earlier stages to finish their backwards.""
 
 from __future__ import annotations
 
-from megatron_lite.core.utils import drain_embedding_wgrad_compute, get_attr_wrapped_model
+from megatron_lite.core.tensor_parallel.linear_wgrad import drain_embedding_wgrad_compute
+from megatron_lite.core.utils import get_attr_wrapped_model
 
 
 def clear_embedding_activation_buffer(config, model, is_last_stage: bool):

@@ -15,7 +15,11 @@ import contextlib
 
 import torch
 
-from megatron_lite.core.pipeline_parallel.one_f_one_b import _groups
+from megatron_lite.core.pipeline_parallel import microbatches as mb
+from megatron_lite.core.pipeline_parallel.embedding_wgrad import (
+    clear_embedding_activation_buffer,
+    finish_embedding_wgrad_compute,
+)
 from megatron_lite.core.pipeline_parallel.p2p_communication import wait_for_sends
 from megatron_lite.core.utils import get_collective_device, get_model_config
 
@@ -103,22 +107,20 @@ def forward_backward_pipelining_with_interleaving(
     """Run interleaved 1F1B over this rank's model chunks (``model`` and ``data_iterator`` are lists,
     one per chunk). Collective over the pipeline group and, through ``finalize_model_grads_func``, the
     gradient groups."""
-    from megatron_lite.core.pipeline_parallel import schedules as s
-
     assert isinstance(model, list) and len(model) > 1, "interleaving needs a list of model chunks"
     assert isinstance(data_iterator, list), "interleaving needs one data iterator per model chunk"
     assert adjust_tensor_shapes_fn is None, "adjust_tensor_shapes_fn is not supported with interleaving"
     config = get_model_config(model[0])
     if getattr(config, "overlap_p2p_comm", False):
         raise NotImplementedError("overlap_p2p_comm is not supported by megatron_lite")
-    p2p, pg_collection = _groups(config, p2p_communicator, pg_collection)
+    p2p, pg_collection = mb.communicator_and_groups(config, p2p_communicator, pg_collection)
     pp, rank = p2p.total_stages, p2p.current_stage
     first, last = p2p.is_pp_first_stage, p2p.is_pp_last_stage
-    embedding_module = s.clear_embedding_activation_buffer(config, model, last)
+    embedding_module = clear_embedding_activation_buffer(config, model, last)
     chunks = len(model)
     group = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp
     check_interleaving(num_microbatches, pp, group)
-    (shape,) = s.get_tensor_shapes(
+    (shape,) = mb.get_tensor_shapes(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         decoder_seq_length=decoder_seq_length,
@@ -130,7 +132,7 @@ def forward_backward_pipelining_with_interleaving(
         num_microbatches, chunks, group, pp, rank, forward_only
     )
     table = get_schedule_table(num_microbatches, chunks, group)
-    cp_size = s._group_size(pg_collection.cp)
+    cp_size = mb.group_size(pg_collection.cp)
     deallocate = getattr(config, "deallocate_pipeline_outputs", False)
 
     def chunk_of(k: int, forward: bool) -> int:
@@ -162,7 +164,7 @@ def forward_backward_pipelining_with_interleaving(
         if chunk == 0 and first and len(input_tensors[chunk]) == len(output_tensors[chunk]):
             input_tensors[chunk].append(None)  # the first chunk of the first rank reads data, not a tensor
         input_tensor = input_tensors[chunk][len(output_tensors[chunk])]
-        output_tensor, num_tokens = s.forward_step(
+        output_tensor, num_tokens = mb.forward_step(
             forward_step_func,
             data_iterator[chunk],
             model[chunk],
@@ -172,7 +174,7 @@ def forward_backward_pipelining_with_interleaving(
             config,
             cp_group_size=cp_size,
             collect_non_loss_data=collect_non_loss_data,
-            is_first_microbatch=s.check_first_val_step(first_val_step, forward_only, microbatch == 0),
+            is_first_microbatch=mb.check_first_val_step(first_val_step, forward_only, microbatch == 0),
             current_microbatch=microbatch,
             vp_stage=chunk,
             is_last_stage=last and chunk == chunks - 1,
@@ -189,7 +191,7 @@ def forward_backward_pipelining_with_interleaving(
         chunk = chunk_of(k, False)
         if last and chunk == chunks - 1 and not output_tensor_grads[chunk]:
             output_tensor_grads[chunk].append(None)
-        grad = s.backward_step(
+        grad = mb.backward_step(
             input_tensors[chunk].pop(0),
             output_tensors[chunk].pop(0),
             output_tensor_grads[chunk].pop(0),
@@ -198,7 +200,7 @@ def forward_backward_pipelining_with_interleaving(
         return None if (first and chunk == 0) else grad
 
     no_sync_func = getattr(config, "no_sync_func", None) or contextlib.nullcontext
-    with s._timed(config), contextlib.ExitStack() as no_sync:
+    with mb.timed(config), contextlib.ExitStack() as no_sync:
         no_sync.enter_context(no_sync_func())
         input_tensors[0].append(p2p.recv_forward(shape, first))
 
@@ -215,7 +217,7 @@ def forward_backward_pipelining_with_interleaving(
                 input_tensor = p2p.send_forward_recv_forward(output_tensor, recv_prev, shape)
             if recv_prev:
                 input_tensors[next_chunk].append(input_tensor)
-            s.deallocate_output_tensor(output_tensor, deallocate)
+            mb.deallocate_output_tensor(output_tensor, deallocate)
 
         for k in range(num_remaining):
             output_tensor = forward(k + num_warmup)
@@ -226,7 +228,7 @@ def forward_backward_pipelining_with_interleaving(
             input_tensor, output_grad = p2p.send_forward_backward_recv_forward_backward(
                 output_tensor, input_grad, recv_prev=recv_prev, recv_next=recv_next, tensor_shape=shape
             )
-            s.deallocate_output_tensor(output_tensor, deallocate)
+            mb.deallocate_output_tensor(output_tensor, deallocate)
             if recv_prev:
                 input_tensors[next_forward_chunk].append(input_tensor)
             if recv_next:
@@ -246,17 +248,9 @@ def forward_backward_pipelining_with_interleaving(
                     output_tensor_grads[next_chunk].append(output_grad)
         no_sync.close()
         if not forward_only:  # the last stage's deferred output-layer GEMMs, while the others finish
-            s.finish_embedding_wgrad_compute(config, embedding_module, last, pg_collection.tp)
+            finish_embedding_wgrad_compute(config, embedding_module, last, pg_collection.tp)
         else:  # a forward-only pass with grad enabled keeps inputs it never needs
-            s.clear_embedding_activation_buffer(config, model, last)
+            clear_embedding_activation_buffer(config, model, last)
         wait_for_sends(p2p)  # nothing in flight past the schedule
-        finalize = getattr(config, "finalize_model_grads_func", None)
-        if finalize is not None and not forward_only:
-            per_token = getattr(config, "calculate_per_token_loss", False)
-            finalize(
-                model,
-                total_num_tokens if per_token else None,
-                pg_collection=pg_collection,
-                force_all_reduce=force_all_reduce,
-            )
+        mb.finalize_grads(model, config, forward_only, total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store

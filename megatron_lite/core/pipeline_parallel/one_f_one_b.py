@@ -11,24 +11,13 @@ import contextlib
 
 import torch
 
-from megatron_lite.core.pipeline_parallel.p2p_communication import P2PCommunicator, wait_for_sends
-from megatron_lite.core.process_groups_config import ProcessGroupCollection
+from megatron_lite.core.pipeline_parallel import microbatches as mb
+from megatron_lite.core.pipeline_parallel.embedding_wgrad import (
+    clear_embedding_activation_buffer,
+    finish_embedding_wgrad_compute,
+)
+from megatron_lite.core.pipeline_parallel.p2p_communication import wait_for_sends
 from megatron_lite.core.utils import get_collective_device, get_model_config
-
-
-def _groups(config, p2p_communicator, pg_collection):
-    """The communicator and groups to use: both from parallel_state when neither is given; a
-    communicator over ``pg_collection.pp`` when only the collection is given."""
-    if p2p_communicator is not None and pg_collection is None:
-        raise ValueError("pass pg_collection with p2p_communicator (or neither)")
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    if not isinstance(pg_collection, ProcessGroupCollection):
-        raise TypeError(f"pg_collection must be a ProcessGroupCollection, got {type(pg_collection).__name__}")
-    assert hasattr(pg_collection, "tp") and hasattr(pg_collection, "cp"), "pg_collection must have tp and cp"
-    if p2p_communicator is None:
-        p2p_communicator = P2PCommunicator(pg_collection.pp, config)
-    return p2p_communicator, pg_collection
 
 
 def forward_backward_pipelining_without_interleaving(
@@ -50,19 +39,15 @@ def forward_backward_pipelining_without_interleaving(
 ):
     """Run 1F1B over this rank's stage. Collective over the pipeline group (every stage must call
     it with the same microbatch count) and, through ``finalize_model_grads_func``, the gradient groups."""
-    # Late import: the step helpers live in ``schedules`` and are looked up there on every call, so
-    # patching ``schedules.forward_step`` (as upstream's tests do) reaches this loop.
-    from megatron_lite.core.pipeline_parallel import schedules as s
-
-    model, data_iterator = s._single_chunk(model, data_iterator, "non-interleaved pipeline-parallel")
+    model, data_iterator = mb.single_chunk(model, data_iterator, "non-interleaved pipeline-parallel")
     config = get_model_config(model)
     if getattr(config, "overlap_p2p_comm", False):
         raise ValueError("the non-interleaved 1F1B schedule does not overlap p2p communication")
-    p2p, pg_collection = _groups(config, p2p_communicator, pg_collection)
+    p2p, pg_collection = mb.communicator_and_groups(config, p2p_communicator, pg_collection)
     tp_group, cp_group = pg_collection.tp, pg_collection.cp
-    cp_size = s._group_size(cp_group)
+    cp_size = mb.group_size(cp_group)
     first, last = p2p.is_pp_first_stage, p2p.is_pp_last_stage
-    embedding_module = s.clear_embedding_activation_buffer(config, model, last)
+    embedding_module = clear_embedding_activation_buffer(config, model, last)
 
     # Gradient sync is held off until the last backward (at once, unless a grad_sync_func syncs
     # stages as they finish: then only the first stage, the last to finish, enables it there).
@@ -98,7 +83,7 @@ def forward_backward_pipelining_without_interleaving(
         tp_group=tp_group,
         cp_group=cp_group,
     )
-    recv_shapes, send_shapes = s.get_tensor_shapes(**shape_args), s.get_tensor_shapes(**shape_args)
+    recv_shapes, send_shapes = mb.get_tensor_shapes(**shape_args), mb.get_tensor_shapes(**shape_args)
     if adjust_tensor_shapes_fn is not None:
         recv_shapes, send_shapes = adjust_tensor_shapes_fn(recv_shapes, send_shapes)
     deallocate = getattr(config, "deallocate_pipeline_outputs", False)
@@ -110,7 +95,7 @@ def forward_backward_pipelining_without_interleaving(
 
     def run_forward(input_tensor, index, is_first_microbatch):
         nonlocal total_num_tokens
-        output_tensor, num_tokens = s.forward_step(
+        output_tensor, num_tokens = mb.forward_step(
             forward_step_func,
             data_iterator,
             model,
@@ -121,14 +106,14 @@ def forward_backward_pipelining_without_interleaving(
             cp_group_size=cp_size,
             collect_non_loss_data=collect_non_loss_data,
             checkpoint_activations_microbatch=checkpoint_microbatch(index),
-            is_first_microbatch=s.check_first_val_step(first_val_step, forward_only, is_first_microbatch),
+            is_first_microbatch=mb.check_first_val_step(first_val_step, forward_only, is_first_microbatch),
             current_microbatch=index,
             is_last_stage=last,
         )
         total_num_tokens += num_tokens
         return output_tensor
 
-    with s._timed(config):
+    with mb.timed(config):
         disable_grad_sync()
 
         # Warmup: forwards only, filling the pipeline.
@@ -139,7 +124,7 @@ def forward_backward_pipelining_without_interleaving(
             if not forward_only:
                 input_tensors.append(input_tensor)
                 output_tensors.append(output_tensor)
-                s.deallocate_output_tensor(output_tensor, deallocate)
+                mb.deallocate_output_tensor(output_tensor, deallocate)
 
         # Steady state: one forward, one backward.
         input_tensor = p2p.recv_forward(recv_shapes, first) if num_steady > 0 else None
@@ -154,11 +139,11 @@ def forward_backward_pipelining_without_interleaving(
             output_tensor_grad = p2p.send_forward_recv_backward(output_tensor, send_shapes, last)
             input_tensors.append(input_tensor)
             output_tensors.append(output_tensor)
-            s.deallocate_output_tensor(output_tensor, deallocate)
+            mb.deallocate_output_tensor(output_tensor, deallocate)
             input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
             if num_warmup == 0 and last_iteration and (grad_sync_func is None or first):
                 enable_grad_sync()
-            input_tensor_grad = s.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+            input_tensor_grad = mb.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
             if last_iteration:
                 input_tensor = None
                 p2p.send_backward(input_tensor_grad, first)
@@ -172,7 +157,7 @@ def forward_backward_pipelining_without_interleaving(
                     enable_grad_sync()
                 input_tensor, output_tensor = input_tensors.pop(0), output_tensors.pop(0)
                 output_tensor_grad = p2p.recv_backward(send_shapes, last)
-                input_tensor_grad = s.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+                input_tensor_grad = mb.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
                 p2p.send_backward(input_tensor_grad, first)
             if no_sync_context is not None:  # stages that held their sync for grad_sync_func
                 enable_grad_sync()
@@ -180,9 +165,9 @@ def forward_backward_pipelining_without_interleaving(
                     grad_sync_func(model.parameters())
         enable_grad_sync()  # forward-only: leave no no_sync context open
         if not forward_only:  # the last stage's deferred output-layer GEMMs, while the others finish
-            s.finish_embedding_wgrad_compute(config, embedding_module, last, tp_group)
+            finish_embedding_wgrad_compute(config, embedding_module, last, tp_group)
         else:  # a forward-only pass with grad enabled keeps inputs it never needs
-            s.clear_embedding_activation_buffer(config, model, last)
+            clear_embedding_activation_buffer(config, model, last)
         wait_for_sends(p2p)  # nothing in flight past the schedule
-        s._finalize(model, config, forward_only, total_num_tokens, pg_collection, force_all_reduce)
+        mb.finalize_grads([model], config, forward_only, total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store

@@ -36,6 +36,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core import parallel_state
+
 SLOTS = 4  # buffers per channel: a sender may run this many messages ahead of its receiver
 ENV_SWITCH = "MEGATRON_LITE_P2P_SHARED_MEMORY"
 _SIZE = struct.Struct("<q")
@@ -230,13 +232,16 @@ def _group_timeout_s(pp_group) -> float:
 
 
 def release_shared_memory_channels() -> None:
-    """Close every group's channels and forget them (parallel_state's destroy_model_parallel calls
-    this): a later communicator for a new group sets up its own."""
+    """Close every group's channels and forget them (registered below with parallel_state, whose
+    destroy_model_parallel calls it): a later communicator for a new group sets up its own."""
     for channels in _setups.values():
         if channels is not None:
             atexit.unregister(channels.close)
             channels.close()
     _setups.clear()
+
+
+parallel_state.register_destroy_hook(release_shared_memory_channels)
 
 
 def shared_memory_channels(pp_group, neighbours) -> SharedMemoryChannels | None:

@@ -101,3 +101,10 @@ def drain_wgrad(
             weight.grad = grad.to(weight.dtype)
         else:
             weight.grad.add_(grad)
+
+
+def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_output_buffer, weight, tp_group):
+    """Run the output layer's deferred weight-gradient GEMMs (``--defer-embedding-wgrad-compute``) at
+    the pipeline flush, adding each into ``weight.main_grad`` (upstream's name, in megatron.core.utils).
+    Collective over ``tp_group`` under sequence parallelism."""
+    drain_wgrad(embedding_activation_buffer, grad_output_buffer, weight, tp_group, config.sequence_parallel)

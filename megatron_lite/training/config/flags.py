@@ -1,15 +1,141 @@
 """Megatron-LM's command-line flags: the one table that maps each flag onto a config field.
 
-``arguments`` builds the parser from it and copies each given value onto its field; ``flag_ranges``
-holds each numeric flag's allowed values, checked by ``ConfigContainer.validate``. Data and parallel
-layout flags are kept beside the code that maps them (``data_arguments``, ``parallel_arguments``) and
-spliced in here.
+``training.arguments`` builds the parser from it and copies each given value onto its field (the flags
+whose field is None it maps itself, with ``data_arguments`` and ``parallel_arguments``); ``ranges``
+holds each numeric flag's allowed values, checked first by ``ConfigContainer.validate``.
 """
 
 from __future__ import annotations
 
-from megatron_lite.training.data_arguments import DATA_FLAGS
-from megatron_lite.training.parallel_arguments import PARALLEL_FLAGS
+# Megatron-LM's parallel-layout flags (tensor, pipeline, context, virtual pipeline, the layer split and the
+# last stage's wgrad deferral); a field of None is mapped by arguments.virtual_pipeline_from_args.
+PARALLEL_FLAGS: list[tuple[str, str, str | None, object, str]] = [
+    ("--tensor-model-parallel-size", "model", "tensor_model_parallel_size", int, "Tensor-parallel size."),
+    (
+        "--pipeline-model-parallel-size",
+        "model",
+        "pipeline_model_parallel_size",
+        int,
+        "Pipeline-parallel size.",
+    ),
+    ("--context-parallel-size", "model", "context_parallel_size", int, "Context-parallel size."),
+    (
+        "--virtual-pipeline-model-parallel-size",
+        "model",
+        "virtual_pipeline_model_parallel_size",
+        int,
+        "Model chunks per pipeline rank (interleaved 1F1B).",
+    ),
+    (
+        "--num-layers-per-virtual-pipeline-stage",
+        "model",
+        None,
+        int,
+        "Layers per model chunk, the embedding and loss counted when accounted for in the split "
+        "(sets --virtual-pipeline-model-parallel-size).",
+    ),
+    (
+        "--num-virtual-stages-per-pipeline-rank",
+        "model",
+        None,
+        int,
+        "Model chunks per pipeline rank (sets --virtual-pipeline-model-parallel-size).",
+    ),
+    (
+        "--pipeline-model-parallel-layout",
+        "model",
+        "pipeline_model_parallel_layout",
+        str,
+        "Every stage's layers, e.g. 'Ett|(tt|)*2,tL': E embedding, t layer, L loss, | between stages "
+        "(sets --virtual-pipeline-model-parallel-size).",
+    ),
+    (
+        "--decoder-first-pipeline-num-layers",
+        "model",
+        "num_layers_in_first_pipeline_stage",
+        int,
+        "Transformer layers on the first pipeline stage (default: an even split).",
+    ),
+    (
+        "--decoder-last-pipeline-num-layers",
+        "model",
+        "num_layers_in_last_pipeline_stage",
+        int,
+        "Transformer layers on the last pipeline stage (default: an even split).",
+    ),
+    (
+        "--account-for-embedding-in-pipeline-split",
+        "model",
+        "account_for_embedding_in_pipeline_split",
+        "store_true",
+        "Count the embedding as a layer when splitting the layers over stages.",
+    ),
+    (
+        "--account-for-loss-in-pipeline-split",
+        "model",
+        "account_for_loss_in_pipeline_split",
+        "store_true",
+        "Count the loss as a layer when splitting the layers over stages.",
+    ),
+    (
+        "--defer-embedding-wgrad-compute",
+        "model",
+        "defer_embedding_wgrad_compute",
+        "store_true",
+        "Run the last stage's output-layer weight-gradient GEMMs at the pipeline flush.",
+    ),
+    (
+        "--wgrad-deferral-limit",
+        "model",
+        "wgrad_deferral_limit",
+        int,
+        "Microbatches whose output-layer wgrad is deferred (0: all).",
+    ),
+    (
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        "model",
+        "microbatch_group_size_per_vp_stage",
+        int,
+        "Consecutive microbatches per chunk (default: pp).",
+    ),
+]
+
+# Megatron-LM's data and tokenizer flags; a field of None is mapped by data_arguments.dataset_from_args.
+DATA_FLAGS: list[tuple[str, str, str | None, object, str]] = [
+    ("--mock-data", "dataset", None, "store_true", "Synthetic data (the default without --data-path)."),
+    ("--data-path", "dataset", "data_path", "+", "Prefixes, optionally weighted: 0.3 A 0.7 B, or A B."),
+    ("--split", "dataset", "split", str, "Train,valid,test weights of --data-path (default: 969,30,1)."),
+    ("--train-data-path", "dataset", None, "+", "Training blend (instead of --data-path and --split)."),
+    ("--valid-data-path", "dataset", None, "+", "Validation blend (with --train-data-path)."),
+    ("--test-data-path", "dataset", None, "+", "Test blend (with --train-data-path)."),
+    ("--data-cache-path", "dataset", "path_to_cache", str, "Index cache (default: <prefix>/cache/)."),
+    (
+        "--num-workers",
+        "dataset",
+        "num_workers",
+        int,
+        "Data-loader worker processes per iterator (default: 2, as upstream; mock data: 0).",
+    ),
+    ("--eod-mask-loss", "dataset", "eod_mask_loss", "store_true", "No loss on end-of-document tokens."),
+    (
+        "--reset-position-ids",
+        "dataset",
+        "reset_position_ids",
+        "store_true",
+        "Restart position ids after each end-of-document token.",
+    ),
+    (
+        "--reset-attention-mask",
+        "dataset",
+        "reset_attention_mask",
+        "store_true",
+        "Block attention across documents (not supported yet).",
+    ),
+    ("--tokenizer-type", "tokenizer", "tokenizer_type", str, "NullTokenizer, GPT2BPETokenizer, ..."),
+    ("--tokenizer-model", "tokenizer", "tokenizer_model", str, "HuggingFaceTokenizer: directory or file."),
+    ("--vocab-file", "tokenizer", "vocab_file", str, "GPT2BPETokenizer: vocab.json."),
+    ("--merge-file", "tokenizer", "merge_file", str, "GPT2BPETokenizer: merges.txt."),
+]
 
 # (flag, section, field, type, help). type is a callable, "store_true", "store_false" or "+" (a list of
 # strings); a field of

@@ -12,41 +12,35 @@ any collective, and in the launcher before any worker starts; every failure is a
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field, fields
 
 from megatron_lite.models.gpt_provider import GPTModelProvider
-from megatron_lite.training import config_checks
-from megatron_lite.training.activation_lever_checks import check_activation_levers
-from megatron_lite.training.architecture_checks import check_architecture
-from megatron_lite.training.config_errors import ConfigError, MissingPackageError, require
-from megatron_lite.training.config_optim import (
+from megatron_lite.training.config.base import _ConfigContainerBase
+from megatron_lite.training.config.checkpoint import CheckpointConfig
+from megatron_lite.training.config.data import DataloaderConfig, GPTDatasetConfig, MockGPTDatasetConfig
+from megatron_lite.training.config.errors import ConfigError, MissingPackageError, require
+from megatron_lite.training.config.logging import LoggerConfig
+from megatron_lite.training.config.optimizer import (
     DistributedDataParallelConfig,
     OptimizerConfig,
     _validate_and_sync_distributed_optimizer_settings,
     _validate_mixed_precision_consistency,
 )
-from megatron_lite.training.config_schedule import (
+from megatron_lite.training.config.profiling import ProfilingConfig
+from megatron_lite.training.config.ranges import check_config_ranges
+from megatron_lite.training.config.runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
+from megatron_lite.training.config.training import (
     SchedulerConfig,
     TrainingConfig,
     ValidationConfig,
     check_schedule_mode,
     derive_scheduler_steps,
 )
-from megatron_lite.training.config_sections import (
-    CheckpointConfig,
-    DistributedInitConfig,
-    LoggerConfig,
-    ProfilingConfig,
-    RerunStateMachineConfig,
-    RNGConfig,
-)
-from megatron_lite.training.data_checks import check_data, resolve_vocab_size
-from megatron_lite.training.dataset_config import DataloaderConfig, GPTDatasetConfig, MockGPTDatasetConfig
-from megatron_lite.training.flag_ranges import check_config_ranges
-from megatron_lite.training.layout_checks import check_deferred_wgrad, check_divisibility
+from megatron_lite.training.config.validate import run_checks
+from megatron_lite.training.config.validate.data import resolve_vocab_size
 from megatron_lite.training.tokenizers.config import TokenizerConfig
-from megatron_lite.training.utils.config_utils import _ConfigContainerBase
 from megatron_lite.utils.common_utils import get_world_size_safe
 
 __all__ = [
@@ -138,7 +132,9 @@ class ConfigContainer(_ConfigContainerBase):
     def world_size(self) -> int:
         """Processes of the run: --nproc-per-node when given (pretrain.py's own launcher), else the
         world torch.distributed or torchrun's WORLD_SIZE reports."""
-        return self.dist.nproc_per_node or get_world_size_safe()
+        # Looked up on the package at call time: upstream's tests patch
+        # megatron.bridge.training.config.get_world_size_safe, the package's name for it.
+        return self.dist.nproc_per_node or sys.modules[__package__].get_world_size_safe()
 
     @property
     def data_parallel_size(self) -> int:
@@ -211,17 +207,7 @@ class ConfigContainer(_ConfigContainerBase):
                     f"TrainingConfig.{f.name} is deprecated; use ValidationConfig.{f.name}", stacklevel=2
                 )
                 setattr(self.validation, f.name, value)
-        for check in (
-            config_checks.check_supported,
-            check_data,
-            config_checks.check_ranges,
-            check_divisibility,
-            check_deferred_wgrad,
-            check_architecture,
-            check_activation_levers,
-            config_checks.check_logger,
-        ):
-            check(self)
+        run_checks(self)
 
     def _resolve_validation_batches(self) -> None:
         v, t = self.validation, self.train

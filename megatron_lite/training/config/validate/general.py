@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from megatron_lite.training.config_errors import ConfigError
+from megatron_lite.training.config.errors import ConfigError
 from megatron_lite.training.utils.cpu_features import has_bf16_matrix_units
 
 _SUPPORTED_DECAY_STYLES = ("constant", "linear", "cosine")

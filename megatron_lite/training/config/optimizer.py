@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 
 from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig as _CoreOptimizerConfig
-from megatron_lite.training.config_errors import require
+from megatron_lite.training.config.errors import require
 
 
 @dataclass(kw_only=True)

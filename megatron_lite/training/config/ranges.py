@@ -14,8 +14,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from megatron_lite.training.config_errors import ConfigError
-from megatron_lite.training.flags import FLAGS, PROFILING_FLAGS
+from megatron_lite.training.config.errors import ConfigError
+from megatron_lite.training.config.flags import FLAGS, PROFILING_FLAGS
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from megatron_lite.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron_lite.core.datasets.gpt_dataset import GPTDatasetConfig as _CoreGPTDatasetConfig
-from megatron_lite.training.config_errors import ConfigError, UnexpectedFieldError, require
+from megatron_lite.training.config.errors import ConfigError, UnexpectedFieldError, require
 
 
 @dataclass(kw_only=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from megatron_lite.training.config_errors import ConfigError, require
+from megatron_lite.training.config.errors import ConfigError, require
 
 
 @dataclass(kw_only=True)

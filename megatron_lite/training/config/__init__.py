@@ -1,0 +1,56 @@
+"""The run's configuration: typed sections (Megatron-Bridge's ``megatron.bridge.training.config``),
+one flag table (``flags``, with each numeric flag's range in ``ranges``) and every check (``validate``).
+
+``container``: ConfigContainer, which holds the sections and validates them; ``training``: the
+training loop, validation and learning-rate schedule; ``optimizer``: the optimizer and DDP; ``data``:
+datasets and loaders; ``logging``, ``checkpoint``, ``profiling``, ``runtime`` (launch, seeds, rerun);
+``errors``: ConfigError; ``base``: the dict/YAML round trip every section shares.
+"""
+
+from megatron_lite.training.config.container import (
+    CheckpointConfig,
+    ConfigContainer,
+    ConfigError,
+    DataloaderConfig,
+    DistributedDataParallelConfig,
+    DistributedInitConfig,
+    GPTDatasetConfig,
+    LoggerConfig,
+    MissingPackageError,
+    MockGPTDatasetConfig,
+    OptimizerConfig,
+    ProfilingConfig,
+    RerunStateMachineConfig,
+    RNGConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainingConfig,
+    ValidationConfig,
+    apply_environment_variables,
+    get_world_size_safe,
+    runtime_config_update,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigContainer",
+    "ConfigError",
+    "DataloaderConfig",
+    "DistributedDataParallelConfig",
+    "DistributedInitConfig",
+    "GPTDatasetConfig",
+    "LoggerConfig",
+    "MissingPackageError",
+    "MockGPTDatasetConfig",
+    "OptimizerConfig",
+    "ProfilingConfig",
+    "RNGConfig",
+    "RerunStateMachineConfig",
+    "SchedulerConfig",
+    "TokenizerConfig",
+    "TrainingConfig",
+    "ValidationConfig",
+    "apply_environment_variables",
+    "get_world_size_safe",
+    "runtime_config_update",
+]

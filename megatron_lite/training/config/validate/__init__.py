@@ -1,0 +1,33 @@
+"""Every check of a whole configuration, in the one order ConfigContainer.validate runs them (after
+each section's own ``finalize`` and the value ranges of ``config.ranges``), for the command line and the
+Python API alike. Each raises ConfigError naming the flag and the fix.
+
+``general``: features not built yet, values that must agree, the loggers; ``data``: the data and
+tokenizer files; ``layout``: the parallel layout and layer split; ``architecture``: the model's
+shape; ``activation_levers``: recomputation and the other activation-memory flags.
+"""
+
+from __future__ import annotations
+
+from megatron_lite.training.config.validate.activation_levers import check_activation_levers
+from megatron_lite.training.config.validate.architecture import check_architecture
+from megatron_lite.training.config.validate.data import check_data
+from megatron_lite.training.config.validate.general import check_logger, check_ranges, check_supported
+from megatron_lite.training.config.validate.layout import check_deferred_wgrad, check_divisibility
+
+CHECKS = (
+    check_supported,
+    check_data,
+    check_ranges,
+    check_divisibility,
+    check_deferred_wgrad,
+    check_architecture,
+    check_activation_levers,
+    check_logger,
+)
+
+
+def run_checks(cfg) -> None:
+    """Each of CHECKS on ``cfg``, in order; the first failure raises."""
+    for check in CHECKS:
+        check(cfg)
