@@ -31,6 +31,12 @@ from megatron_lite.training.config.container import (
     runtime_config_update,
 )
 
+# Upstream's tests import these private checks from megatron.bridge.training.config itself.
+from megatron_lite.training.config.optimizer import (  # noqa: F401
+    _validate_and_sync_distributed_optimizer_settings,
+    _validate_mixed_precision_consistency,
+)
+
 __all__ = [
     "CheckpointConfig",
     "ConfigContainer",

@@ -166,7 +166,7 @@ class ConfigContainer(_ConfigContainerBase):
 
     def validate(self) -> None:
         """Finalize every section, derive values, and raise ConfigError for the first problem."""
-        check_config_ranges(self)  # before anything divides by a size or derives from a rate
+        check_config_ranges(self, early=True)  # before anything divides by a size or derives from a rate
         for section in (self.dataset, self.ddp, self.optimizer, self.model):
             if hasattr(section, "finalize"):
                 section.finalize()

@@ -43,6 +43,16 @@ class ProfilingConfig:
             "Exactly one of pytorch or nsys profiler should be enabled, not both",
         )
         require(
+            self.profile_step_start >= 0,
+            "--profile-step-start",
+            f"profile_step_start must be >= 0, got {self.profile_step_start}",
+        )
+        require(
+            self.profile_step_end >= 0,
+            "--profile-step-end",
+            f"profile_step_end must be >= 0, got {self.profile_step_end}",
+        )
+        require(
             self.profile_step_end >= self.profile_step_start,
             "profiling",
             f"profile_step_end ({self.profile_step_end}) must be >= profile_step_start ({self.profile_step_start})",

@@ -15,7 +15,7 @@ import numbers
 from dataclasses import dataclass
 
 from megatron_lite.training.config.errors import ConfigError
-from megatron_lite.training.config.flags import FLAGS, PROFILING_FLAGS
+from megatron_lite.training.config.flags import FLAGS
 
 
 @dataclass(frozen=True)
@@ -164,15 +164,36 @@ def check_parsed_flags(args) -> None:
             check_value(flag, value)
 
 
-def check_config_ranges(cfg) -> None:
+# What validate divides by before its checks run (a 0 here would be a ZeroDivisionError): these ranges,
+# and every value's finiteness, are checked first. The rest are checked after the sections' own checks,
+# so a value upstream's checks refuse gets upstream's words.
+DIVISORS = frozenset(
+    {
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--context-parallel-size",
+        "--virtual-pipeline-model-parallel-size",
+        "--micro-batch-size",
+        "--global-batch-size",
+        "--num-attention-heads",
+        "--num-query-groups",
+        "--make-vocab-size-divisible-by",
+    }
+)
+
+
+def check_config_ranges(cfg, early: bool = False) -> None:
     """The config fields the numeric flags set, as the Python API may set them too; unset (None)
-    fields are derived later and checked where they are."""
+    fields are derived later and checked where they are. ``early``: only DIVISORS and finiteness.
+    (The profiling section checks its own steps in ProfilingConfig.finalize, with upstream's words.)"""
     for flag, section, name, _kind, _help in FLAGS:
-        if name is not None and flag in RANGES:
-            value = getattr(getattr(cfg, section, None), name, None)
-            if value is not None:
+        if name is None or flag not in RANGES:
+            continue
+        value = getattr(getattr(cfg, section, None), name, None)
+        if value is None:
+            continue
+        if early and flag not in DIVISORS:
+            if isinstance(value, float) and not math.isfinite(value):
                 check_value(flag, value)
-    if cfg.profiling is not None:
-        for flag, name, _kind, _help in PROFILING_FLAGS:
-            if flag in RANGES and getattr(cfg.profiling, name, None) is not None:
-                check_value(flag, getattr(cfg.profiling, name))
+            continue
+        check_value(flag, value)

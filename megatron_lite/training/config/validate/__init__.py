@@ -1,6 +1,7 @@
 """Every check of a whole configuration, in the one order ConfigContainer.validate runs them (after
-each section's own ``finalize`` and the value ranges of ``config.ranges``), for the command line and the
-Python API alike. Each raises ConfigError naming the flag and the fix.
+each section's own ``finalize``), for the command line and the
+Python API alike. Each raises ConfigError naming the flag and the fix. (The sizes validate divides by
+are range-checked before anything, the other ranges here, after upstream's own checks.)
 
 ``general``: features not built yet, values that must agree, the loggers; ``data``: the data and
 tokenizer files; ``layout``: the parallel layout and layer split; ``architecture``: the model's
@@ -9,6 +10,7 @@ shape; ``activation_levers``: recomputation and the other activation-memory flag
 
 from __future__ import annotations
 
+from megatron_lite.training.config.ranges import check_config_ranges
 from megatron_lite.training.config.validate.activation_levers import check_activation_levers
 from megatron_lite.training.config.validate.architecture import check_architecture
 from megatron_lite.training.config.validate.data import check_data
@@ -18,6 +20,7 @@ from megatron_lite.training.config.validate.layout import check_deferred_wgrad, 
 CHECKS = (
     check_supported,
     check_data,
+    check_config_ranges,
     check_ranges,
     check_divisibility,
     check_deferred_wgrad,
