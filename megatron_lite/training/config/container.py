@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, fields
 from megatron_lite.models.gpt_provider import GPTModelProvider
 from megatron_lite.training.config.base import _ConfigContainerBase
 from megatron_lite.training.config.checkpoint import CheckpointConfig
-from megatron_lite.training.config.data import DataloaderConfig, GPTDatasetConfig, MockGPTDatasetConfig
-from megatron_lite.training.config.errors import ConfigError, MissingPackageError, require
+from megatron_lite.training.config.data import GPTDatasetConfig, MockGPTDatasetConfig
+from megatron_lite.training.config.errors import ConfigError, require
 from megatron_lite.training.config.logging import LoggerConfig
 from megatron_lite.training.config.optimizer import (
     DistributedDataParallelConfig,
@@ -41,31 +41,8 @@ from megatron_lite.training.config.training import (
 from megatron_lite.training.config.validate import run_checks
 from megatron_lite.training.config.validate.data import resolve_vocab_size
 from megatron_lite.training.tokenizers.config import TokenizerConfig
-from megatron_lite.utils.common_utils import get_world_size_safe
 
-__all__ = [
-    "CheckpointConfig",
-    "ConfigContainer",
-    "ConfigError",
-    "DataloaderConfig",
-    "DistributedDataParallelConfig",
-    "DistributedInitConfig",
-    "GPTDatasetConfig",
-    "LoggerConfig",
-    "MissingPackageError",
-    "MockGPTDatasetConfig",
-    "OptimizerConfig",
-    "ProfilingConfig",
-    "RNGConfig",
-    "RerunStateMachineConfig",
-    "SchedulerConfig",
-    "TokenizerConfig",
-    "TrainingConfig",
-    "ValidationConfig",
-    "apply_environment_variables",
-    "get_world_size_safe",
-    "runtime_config_update",
-]
+__all__ = ["ConfigContainer", "apply_environment_variables", "runtime_config_update"]
 
 
 # ConfigContainer() is megatron_lite's demo run (about a minute on two CPU cores); each section's
