@@ -193,7 +193,12 @@ def test_killing_a_worker_mid_save_keeps_the_previous_checkpoint(tmp_path):
             os.environ["MEGATRON_LITE_TEST_SAVE_DELAY_S"] = env_backup
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not (tmp_path / "ckpt" / "iter_0000004").exists()
-    resumed = ok(run_pretrain([*common, "--train-iters", "5", "--load", "ckpt"], tmp_path))
+    # A shorter run than the killed one: another schedule, which resuming refuses unless overridden.
+    resumed = ok(
+        run_pretrain(
+            [*common, "--train-iters", "5", "--load", "ckpt", "--override-opt-param-scheduler"], tmp_path
+        )
+    )
     assert "successfully loaded checkpoint from ckpt at iteration 2" in resumed.stdout
     assert sorted(parse_losses(resumed.stdout)) == [3, 4, 5]
     assert tb_steps(tmp_path / "tb") == [1, 2, 3, 4, 5]  # steps 3-4 of the killed run were purged

@@ -103,6 +103,11 @@ def test_killing_a_worker_mid_save_keeps_the_previous_checkpoint(tmp_path):
         else:
             os.environ["MEGATRON_LITE_TEST_SAVE_DELAY_S"] = env_backup
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    resumed = ok(run_pretrain([*common, "--train-iters", "3", "--load", "ckpt"], tmp_path))
+    # A shorter run than the killed one: another schedule, which resuming refuses unless overridden.
+    resumed = ok(
+        run_pretrain(
+            [*common, "--train-iters", "3", "--load", "ckpt", "--override-opt-param-scheduler"], tmp_path
+        )
+    )
     assert "successfully loaded checkpoint from ckpt at iteration 2" in resumed.stdout
     assert sorted(parse_losses(resumed.stdout)) == [3]

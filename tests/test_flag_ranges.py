@@ -44,6 +44,8 @@ LEGITIMATE = {
     ("--eval-iters", "0"): "no validation, as upstream",
     ("--profile-step-start", "0"): "profile from the first step",
     ("--profile-ranks", "0"): "profile rank 0 (the default)",
+    ("--start-weight-decay", "0"): "weight decay rising from none",
+    ("--end-weight-decay", "0"): "no weight decay (with --start-weight-decay 0)",
 }
 
 # What a flag needs beside it to be judged on its own value.
@@ -53,6 +55,8 @@ CONTEXT = {
     "--profile-step-end": ["--profile", "--use-pytorch-profiler", "--profile-step-start", "0"],
     "--profile-ranks": ["--profile", "--use-pytorch-profiler"],
     "--device-memory-gb": ["--memory-preflight"],
+    "--start-weight-decay": ["--end-weight-decay", "0.1", "--weight-decay-incr-style", "linear"],
+    "--end-weight-decay": ["--start-weight-decay", "0", "--weight-decay-incr-style", "linear"],
 }
 
 NUMERIC_METAVARS = ("N", "X", "GB")

@@ -111,14 +111,26 @@ def test_lr_schedule_matches_megatron_semantics():
         lr_warmup_steps=10,
         lr_decay_steps=110,
         lr_decay_style="linear",
+        start_wd=0.0,
+        end_wd=0.1,
+        wd_incr_steps=100,
+        wd_incr_style="linear",
     )
     assert opt.param_groups[0]["lr"] == 0.0
     sched.step(5)
     assert opt.param_groups[0]["lr"] == 0.5
+    assert abs(opt.param_groups[0]["weight_decay"] - 0.005) < 1e-12  # 5 of 100 steps up to 0.1
     sched.step(55)  # halfway through decay
     assert abs(opt.param_groups[0]["lr"] - 0.55) < 1e-12
     sched.step(100)
     assert opt.param_groups[0]["lr"] == 0.1
+    assert opt.param_groups[0]["weight_decay"] == 0.1  # past wd_incr_steps: end_wd
+    # Resuming under another schedule is refused in Megatron's words unless one side is chosen.
+    saved = sched.state_dict()
+    assert "2.0 for learning rate do not match" in sched.checkpoint_mismatch({**saved, "max_lr": 2.0})
+    sched.override_opt_param_scheduler = True
+    sched.load_state_dict({**saved, "max_lr": 2.0})
+    assert sched.max_lr == 1.0 and sched.num_steps == saved["num_steps"]
     cosine = OptimizerParamScheduler(
         opt,
         init_lr=0.0,
@@ -127,6 +139,9 @@ def test_lr_schedule_matches_megatron_semantics():
         lr_warmup_steps=0,
         lr_decay_steps=100,
         lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=100,
     )
     cosine.step(50)
     assert abs(opt.param_groups[0]["lr"] - 0.5) < 1e-12
@@ -208,6 +223,9 @@ def _nan_handling(rank, world):
         lr_warmup_steps=0,
         lr_decay_steps=10,
         lr_decay_style="constant",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=10,
     )
     before = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
@@ -215,7 +233,9 @@ def _nan_handling(rank, world):
     ok, grad_norm, _ = opt.step()
     unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
-    state = GlobalState(ConfigContainer())
+    config = ConfigContainer()
+    config.set_data_parallel_size()  # as validate does; training_log reports the batch size
+    state = GlobalState(config)
     state.cfg.logger.log_interval = 2
     state.timers("interval-time", log_level=0).start()
     from megatron_lite.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator

@@ -8,7 +8,7 @@ import json
 import pytest
 from corpus_helpers import make_corpus
 
-from megatron_lite.training.config.errors import ConfigError
+from megatron_lite.training.errors import ConfigError
 from megatron_lite.training.tokenizers import TokenizerConfig, build_tokenizer
 
 TEXTS = [

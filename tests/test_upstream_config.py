@@ -20,6 +20,7 @@ from megatron_lite.training.config import (
     ConfigError,
     GPTDatasetConfig,
     LoggerConfig,
+    MixedPrecisionConfig,
     MockGPTDatasetConfig,
     OptimizerConfig,
     ProfilingConfig,
@@ -228,7 +229,7 @@ def test_mixed_precision_and_distributed_optimizer_checks(mocker):
             lambda c: setattr(c, "profiling", ProfilingConfig(pytorch_profiler_collect_chakra=True)),
             "--pytorch-profiler-collect-chakra",
         ),
-        (lambda c: setattr(c, "mixed_precision", "bf16_mixed"), "mixed_precision"),
+        (lambda c: setattr(c, "mixed_precision", MixedPrecisionConfig(fp8="hybrid")), "mixed_precision.fp8"),
         (lambda c: setattr(c.train, "rampup_batch_size", [8, 8, 100]), "--rampup-batch-size"),
     ],
 )

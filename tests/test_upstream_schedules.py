@@ -394,3 +394,62 @@ def test_p2p_communicator_upstream_calls():
     first, second = run_world(_p2p_signatures, 2)
     assert first == {"stage": (0, 2, True, False), "got": 20.0}
     assert second == {"stage": (1, 2, False, True), "got": (2.0, 5.0)}
+
+
+def test_schedule_enables_grad_sync_on_first_stage(monkeypatch):
+    """Upstream's test (its P2PCommunicator case), patched where the steps live: with one microbatch
+    on the first stage, gradient sync is re-enabled before that microbatch's backward."""
+    events = []
+
+    @contextlib.contextmanager
+    def no_sync():
+        events.append("enter_no_sync")
+        try:
+            yield
+        finally:
+            events.append("exit_no_sync")
+
+    config = SimpleNamespace(
+        overlap_p2p_comm=False,
+        variable_seq_lengths=True,
+        finalize_model_grads_func=None,
+        timers=None,
+        no_sync_func=no_sync,
+        num_microbatches_with_partial_activation_checkpoints=None,
+        deallocate_pipeline_outputs=False,
+        grad_sync_func=lambda _parameters: events.append("grad_sync"),
+        calculate_per_token_loss=False,
+    )
+    model = SimpleNamespace(config=config, parameters=lambda: [])
+
+    class FakeCommunicator(P2PCommunicator):
+        total_stages, current_stage = 1, 0
+        is_pp_first_stage = is_pp_last_stage = True
+
+        def __init__(self):
+            self.config = config
+
+        recv_forward = send_forward_recv_backward = send_forward = staticmethod(lambda *_a: None)
+        recv_backward = send_backward = staticmethod(lambda *_a: None)
+
+    monkeypatch.setattr(
+        microbatch_steps, "forward_step", lambda *_a, **_k: (torch.tensor(1.0), torch.tensor(0))
+    )
+    monkeypatch.setattr(
+        microbatch_steps, "backward_step", lambda *_a, **_k: events.append("backward") or None
+    )
+    monkeypatch.setattr(microbatch_steps, "deallocate_output_tensor", lambda *_a: None)
+    pg_collection = ProcessGroupCollection()
+    pg_collection.tp = SimpleNamespace(size=lambda: 1)
+    pg_collection.cp = SimpleNamespace(size=lambda: 1)
+    schedules.forward_backward_pipelining_without_interleaving(
+        forward_step_func=None,
+        data_iterator=None,
+        model=model,
+        num_microbatches=1,
+        seq_length=1,
+        micro_batch_size=1,
+        p2p_communicator=FakeCommunicator(),
+        pg_collection=pg_collection,
+    )
+    assert events == ["enter_no_sync", "exit_no_sync", "backward"]

@@ -28,7 +28,7 @@ import numpy
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megatron_lite.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
-from megatron_lite.training.config.errors import ConfigError  # noqa: E402
+from megatron_lite.training.errors import ConfigError  # noqa: E402
 from megatron_lite.training.tokenizers import TokenizerConfig, build_tokenizer  # noqa: E402
 
 _CHUNK_LINES = 256  # lines per task: large enough to amortise pickling, small enough to stream

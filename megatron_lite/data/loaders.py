@@ -1,6 +1,7 @@
 """The run's train and validation datasets and their iterators (Megatron-LM's pretrain_gpt provider).
 
-Mock data: megatron_lite's synthetic sequences. Real data: GPTDataset / BlendedDataset through
+Mock data: megatron_lite's synthetic sequences. A DatasetProvider: what its build_datasets returns.
+Real data: GPTDataset / BlendedDataset through
 BlendedMegatronDatasetBuilder, sized as upstream's get_train_valid_test_num_samples, their indices
 cached under ``--data-cache-path`` (default: beside each prefix, as upstream). Either way each
 iterator starts at the consumed-sample count restored from the checkpoint, so resume is exact.
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_lite.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron_lite.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+from megatron_lite.data.base import DatasetBuildContext, DatasetProvider
 from megatron_lite.data.samplers import build_pretraining_data_loader
 from megatron_lite.training.tokenizers import get_tokenizer
 from megatron_lite.utils.common_utils import print_rank_0
@@ -52,6 +54,12 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, config) -> li
 def build_train_valid_datasets(config) -> tuple:
     """The training and validation datasets. Collective over the world with real data."""
     ds, m, t, v = config.dataset, config.model, config.train, config.validation
+    if isinstance(ds, DatasetProvider):
+        samples = get_train_valid_test_num_samples(config)
+        train, valid, _test = ds.build_datasets(
+            DatasetBuildContext(*samples, tokenizer=get_tokenizer(config))
+        )
+        return train, valid
     if not ds.mock:
         train, valid, _test = train_valid_test_datasets_provider(
             get_train_valid_test_num_samples(config), config

@@ -13,7 +13,7 @@ import argparse
 import warnings
 
 from megatron_lite.training.config.data import GPTDatasetConfig, parse_blend
-from megatron_lite.training.config.errors import ConfigError
+from megatron_lite.training.errors import ConfigError
 
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"  # Megatron-LM's, used (with a warning) when --split is not given
 _PER_SPLIT = ("--train-data-path", "--valid-data-path", "--test-data-path")

@@ -40,7 +40,7 @@ def evaluate(
                 data_iterator=data_iterator,
                 model=model,
                 num_microbatches=eval_gbs // (eval_mbs * config.data_parallel_size),
-                seq_length=config.dataset.sequence_length,
+                seq_length=config.model.seq_length,
                 micro_batch_size=eval_mbs,
                 forward_only=True,
                 pg_collection=pg_collection,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_lite.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
-from megatron_lite.training.config.errors import ConfigError
+from megatron_lite.training.errors import ConfigError
 
 
 def virtual_pipeline_from_args(args: argparse.Namespace, m) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megatron_lite.core import parallel_state
-from megatron_lite.training.config import ConfigContainer
+from megatron_lite.training.config import ConfigContainer, runtime_config_update
 from megatron_lite.training.memory.postmortem import out_of_memory_postmortem
 from megatron_lite.training.memory.snapshots import start_memory_history
 from megatron_lite.training.memory.table import print_memory_table
@@ -29,7 +29,13 @@ def _print_layout(config: ConfigContainer) -> None:
 
 
 def pretrain(config: ConfigContainer, forward_step_func) -> None:
-    """Train ``config`` with ``forward_step_func(data_iterator, model)``. Runs on every rank."""
+    """Train ``config`` with ``forward_step_func(data_iterator, model)``. Runs on every rank.
+
+    As upstream, a config not yet validated (the Python API's) first goes through
+    runtime_config_update: its mixed-precision recipe is applied and every check runs, on every rank
+    before any collective. pretrain.py's own parse_args has done that already."""
+    if not config._validated:
+        runtime_config_update(config)
     state = GlobalState(config)
     success = False
     try:

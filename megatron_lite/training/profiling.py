@@ -3,7 +3,7 @@
 With ``--profile --use-pytorch-profiler`` each profiled rank records iterations
 ``profile_step_start`` .. ``profile_step_end`` with ``torch.profiler`` and writes one Chrome trace,
 ``<tensorboard_dir>/../torch_profile/rank-<rank>.json.gz`` (Perfetto and chrome://tracing open it),
-atomically. ``--profile`` alone is Nsight Systems (CUDA's profiler API), as upstream.
+atomically; without a TensorBoard directory, ``./torch_profile`` (where upstream's path lands). ``--profile`` alone is Nsight Systems (CUDA's profiler API), as upstream.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ def should_profile_rank(config, rank: int) -> bool:
     return len(config.profile_ranks) == 0 or rank in config.profile_ranks
 
 
-def trace_path(tensorboard_dir: str, rank: int) -> Path:
-    """Where ``rank``'s Chrome trace goes: beside the TensorBoard directory, as upstream."""
-    return Path(tensorboard_dir).parent / "torch_profile" / f"rank-{rank}.json.gz"
+def trace_path(tensorboard_dir: str | None, rank: int) -> Path:
+    """Where ``rank``'s Chrome trace goes: beside the TensorBoard directory, as upstream, or in the
+    working directory without one."""
+    beside = Path(tensorboard_dir).parent if tensorboard_dir else Path(".")
+    return beside / "torch_profile" / f"rank-{rank}.json.gz"
 
 
-def initialize_pytorch_profiler(config, tensorboard_dir: str) -> torch.profiler.profile:
+def initialize_pytorch_profiler(config, tensorboard_dir: str | None) -> torch.profiler.profile:
     """A torch profiler (not started) that waits until ``profile_step_start``, warms up one step,
     records up to ``profile_step_end`` and then writes this rank's trace."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -47,6 +47,12 @@ def get_optimizer_param_scheduler(config: ConfigContainer, optimizer) -> Optimiz
     )
     if s.lr_decay_steps is not None:  # derived by ConfigContainer.validate (iterations or samples)
         decay_steps, warmup_steps = s.lr_decay_steps, int(s.lr_warmup_steps)
+    if s.weight_decay_incr_style == "constant":  # one value: the end's, else --weight-decay
+        start_wd = end_wd = (
+            config.optimizer.weight_decay if s.end_weight_decay is None else s.end_weight_decay
+        )
+    else:
+        start_wd, end_wd = s.start_weight_decay, s.end_weight_decay
     return OptimizerParamScheduler(
         optimizer,
         init_lr=s.lr_warmup_init,
@@ -55,6 +61,12 @@ def get_optimizer_param_scheduler(config: ConfigContainer, optimizer) -> Optimiz
         lr_warmup_steps=min(warmup_steps, decay_steps),
         lr_decay_steps=decay_steps,
         lr_decay_style=s.lr_decay_style,
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=s.wd_incr_steps or config.train.train_iters * gbs,
+        wd_incr_style=s.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=s.override_opt_param_scheduler,
     )
 
 
@@ -135,7 +147,7 @@ def setup(state: GlobalState) -> SetupOutput:
     # What the allocated-bytes tracker counts as static when it splits its peak into parts.
     ALLOCATED_MEMORY.track_static(partial(static_tensors, model, optimizer))
     scheduler = get_optimizer_param_scheduler(config, optimizer)
-    if config.checkpoint.load:
+    if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
         checkpointing.load_checkpoint(state, model, optimizer, scheduler, pg_collection)
     state.start_loggers()  # after loading: TensorBoard purges steps past the resumed iteration
     train_iter, valid_iter = build_data_iterators(config, state, pg_collection, num_chunks=len(model))

@@ -78,7 +78,7 @@ def _train_step(
             data_iterator=data_iterator,
             model=model,
             num_microbatches=config.num_microbatches,
-            seq_length=config.dataset.sequence_length,
+            seq_length=config.model.seq_length,
             micro_batch_size=config.train.micro_batch_size,
             pg_collection=pg_collection,
         )

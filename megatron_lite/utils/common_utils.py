@@ -1,9 +1,10 @@
 """Rank and world size that also answer before torch.distributed is initialised, and the rank-gated
-prints built on them (upstream's ``print_rank_0`` / ``print_rank_last``)."""
+prints and warnings built on them (upstream's ``print_rank_0`` / ``warn_rank_0`` / ``print_rank_last``)."""
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch.distributed as dist
 
@@ -31,6 +32,12 @@ def print_rank_0(message: str) -> None:
     """Print on global rank 0 only (every rank before torch.distributed is initialized)."""
     if get_rank_safe() == 0:
         print(message, flush=True)
+
+
+def warn_rank_0(message: str) -> None:
+    """Warn (``warnings.warn``) on global rank 0 only."""
+    if get_rank_safe() == 0:
+        warnings.warn(message, stacklevel=2)
 
 
 def print_rank_last(message: str) -> None:

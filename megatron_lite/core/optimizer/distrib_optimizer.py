@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+from megatron_lite.core.optimizer.optimizer import checkpoint_tensors_by_param
 from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig
 from megatron_lite.core.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
 
@@ -148,6 +149,15 @@ class DistributedOptimizer:
             if torch.is_tensor(t)
         )
         return total + sum(r.main.numel() * 4 for r in self.ranges if r.main is not r.model_view)
+
+    @torch.no_grad()
+    def reload_model_params(self, state_dict: dict | None = None) -> None:
+        """MegatronOptimizer.reload_model_params for this rank's shard of each parameter."""
+        sources = checkpoint_tensors_by_param(self.model_chunks, state_dict) if state_dict else {}
+        for r in self.ranges:
+            if r.main is not r.model_view:
+                source = sources[r.param].reshape(-1)[r.start : r.end] if sources else r.model_view
+                r.main.copy_(source)
 
     # Checkpoints --------------------------------------------------------------------------------
 

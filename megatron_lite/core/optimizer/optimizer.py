@@ -16,9 +16,29 @@ from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig
 from megatron_lite.core.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
 
 
+def _unwrapped(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def checkpoint_tensors_by_param(model_chunks, state_dict: dict) -> dict:
+    """Each parameter's tensor in a checkpoint's ``model`` (one chunk) or ``model0``, ``model1``, ...
+    entries, matched by name (``KeyError`` names one that is missing)."""
+    single = len(model_chunks) == 1 and "model" in state_dict
+    keys = ["model"] if single else [f"model{i}" for i in range(len(model_chunks))]
+    found = {}
+    for key, chunk in zip(keys, model_chunks, strict=True):
+        saved = {_unwrapped(k): v for k, v in state_dict[key].items()}
+        for name, param in chunk.named_parameters():
+            found[param] = saved[_unwrapped(name)]
+    return found
+
+
 class MegatronOptimizer:
     def __init__(self, config: OptimizerConfig, model_chunks, *, model_parallel_group=None, tp_group=None):
         self.config = config
+        self.model_chunks = model_chunks
         self.model_parallel_group = model_parallel_group
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         self.params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
@@ -101,6 +121,16 @@ class MegatronOptimizer:
             if torch.is_tensor(t)
         )
         return total + sum(m.numel() * 4 for p, m in zip(self.params, self.masters) if m is not p)
+
+    @torch.no_grad()
+    def reload_model_params(self, state_dict: dict | None = None) -> None:
+        """Start the fp32 main parameters again from the weights, after these changed outside the
+        optimizer (a checkpoint loaded without its optimizer state). With ``state_dict`` (a
+        checkpoint's), from its tensors instead, which keeps precision a bf16 model rounds away."""
+        sources = checkpoint_tensors_by_param(self.model_chunks, state_dict) if state_dict else {}
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.copy_(sources.get(p, p))
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}

@@ -27,6 +27,7 @@ from megatron_lite.training.checkpointing.layout import (
 from megatron_lite.training.checkpointing.rng import set_rng_state
 from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
 from megatron_lite.training.checkpointing.save import model_chunks
+from megatron_lite.training.utils.checkpoint_utils import checkpoint_exists
 
 
 def _load_model_state(model, payload: dict) -> None:
@@ -63,35 +64,73 @@ def _load_shard(root: str, iteration: int) -> dict:
     return payload
 
 
+def _chosen_iteration(root: str, step: int) -> int:
+    """``--ckpt-step``: that iteration of ``root``, which must be there."""
+    if not os.path.isdir(os.path.join(root, f"iter_{step:07d}")):
+        present = sorted(n for n in os.listdir(root) if n.startswith("iter_")) if os.path.isdir(root) else []
+        raise CheckpointError(
+            f"--ckpt-step {step}: {root} has no iter_{step:07d}; it holds {', '.join(present) or 'none'}"
+        )
+    return step
+
+
+def _resolve(cfg) -> tuple[str | None, int | None, bool]:
+    """Where to load from, which iteration (None: start fresh) and whether weights only, as upstream:
+    ``load`` when it holds a checkpoint (its ``ckpt_step`` or latest), else ``pretrained_checkpoint``
+    (its latest, weights only)."""
+    if cfg.pretrained_checkpoint is not None and not checkpoint_exists(cfg.load):
+        if dist.get_rank() == 0:
+            print(
+                f" no checkpoint found in load directory {cfg.load}; "
+                f"finetuning from the pretrained checkpoint {cfg.pretrained_checkpoint}",
+                flush=True,
+            )
+        iteration = read_tracker(cfg.pretrained_checkpoint)
+        if iteration is None:
+            raise CheckpointError(
+                f"--pretrained-checkpoint {cfg.pretrained_checkpoint}: holds no checkpoint, "
+                f"and --load {cfg.load} none to resume"
+            )
+        return cfg.pretrained_checkpoint, iteration, True
+    if cfg.ckpt_step is not None:
+        return cfg.load, _chosen_iteration(cfg.load, cfg.ckpt_step), cfg.finetune
+    return cfg.load, read_tracker(cfg.load), cfg.finetune
+
+
 def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
-    """Restore from ``--load``; returns the loaded iteration (0 when starting fresh). Collective."""
+    """Restore from ``--load`` (or ``--pretrained-checkpoint``); returns the loaded iteration (0 when
+    starting fresh). Collective."""
     cfg = state.cfg.checkpoint
-    payload, param_state, error, iteration = None, None, None, None
+    root, payload, param_state, error, iteration, finetune = cfg.load, None, None, None, None, cfg.finetune
     # Every file is read and checked before any state changes; every rank hears of any rank's error.
     try:
-        iteration = read_tracker(cfg.load)
+        root, iteration, finetune = _resolve(cfg)
         if iteration is not None:
-            check_layout(cfg.load, iteration)
-            payload = _load_shard(cfg.load, iteration)
-            error = checkpoint_model_error(cfg.load, payload.get("config"), state.cfg.model)
-            if error is None and cfg.load_optim and not cfg.finetune:
-                optimizer_shard = my_optimizer_shard(cfg.load, iteration)
-                error = optimizer_format_error(cfg.load, iteration, payload, optimizer, optimizer_shard)
+            check_layout(root, iteration)
+            payload = _load_shard(root, iteration)
+            error = checkpoint_model_error(root, payload.get("config"), state.cfg.model)
+            if error is None and cfg.load_optim and not finetune:
+                optimizer_shard = my_optimizer_shard(root, iteration)
+                error = optimizer_format_error(root, iteration, payload, optimizer, optimizer_shard)
                 if error is None and uses_distributed_optimizer(optimizer):
-                    param_state = read_distributed_optimizer(cfg.load, optimizer_shard, optimizer)
+                    param_state = read_distributed_optimizer(root, optimizer_shard, optimizer)
     except CheckpointError as err:
         error = str(err)
     except Exception as err:  # a config or payload of an unexpected shape: one line, on every rank
-        error = f"--load {cfg.load}: iteration {iteration} cannot be read ({type(err).__name__}: {err})"
+        error = f"--load {root}: iteration {iteration} cannot be read ({type(err).__name__}: {err})"
         error = error.splitlines()[0]
     agree(error)
+    # Only once every shard is there and fits: the schedule, the same on every rank.
+    if iteration is not None and cfg.load_optim and not finetune:
+        mismatch = scheduler.checkpoint_mismatch(payload["opt_param_scheduler"])
+        agree(mismatch and f"--load {root}: iteration {iteration}: {mismatch}")
     if iteration is None:
         if dist.get_rank() == 0:
-            print(f" no checkpoint found in {cfg.load}; starting from scratch", flush=True)
+            print(f" no checkpoint found in {root}; starting from scratch", flush=True)
         return 0
     try:
         _load_model_state(model, payload)
-        if not cfg.finetune:
+        if not finetune:
             state.train_state.load_state_dict(payload["train_state"])
             if cfg.load_optim:
                 optimizer.load_state_dict(payload["optimizer"])
@@ -101,15 +140,16 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
                 scheduler.load_state_dict(payload["opt_param_scheduler"])
             if cfg.load_rng:
                 set_rng_state(payload["rng_state"])
+        if finetune or not cfg.load_optim:
+            # The fp32 main parameters were copied from the weights before these were loaded.
+            optimizer.reload_model_params(payload if cfg.load_main_params_from_ckpt else None)
     # AttributeError / TypeError: a train_state field that is no tensor (another format's checkpoint).
     except (KeyError, RuntimeError, ValueError, TypeError, AttributeError) as err:
-        error = (
-            f"--load {cfg.load}: iteration {iteration} does not match this model ({str(err).splitlines()[0]})"
-        )
+        error = f"--load {root}: iteration {iteration} does not match this model ({str(err).splitlines()[0]})"
     agree(error)
-    if cfg.finetune:
+    if finetune:
         # Fresh optimizer at full learning rate: the schedule restarts with the iteration count.
         scheduler.step(0)
     if dist.get_rank() == 0:
-        print(f" successfully loaded checkpoint from {cfg.load} at iteration {iteration}", flush=True)
+        print(f" successfully loaded checkpoint from {root} at iteration {iteration}", flush=True)
     return iteration

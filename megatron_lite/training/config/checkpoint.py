@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.training.config.errors import ConfigError, require
+from megatron_lite.training.errors import ConfigError, require
+from megatron_lite.training.utils import checkpoint_utils
 
 
 @dataclass(kw_only=True)
@@ -24,15 +25,16 @@ class CheckpointConfig:
     load_optim: bool = True
     """Load optimizer and scheduler state (--no-load-optim turns off)."""
     load_main_params_from_ckpt: bool = False
-    """Load fp32 main parameters from the checkpoint (not supported yet: False)."""
+    """Without the optimizer's state (load_optim=False), start the fp32 main parameters from the
+    checkpoint's weights rather than from the model's (which may hold them in lower precision)."""
     load_rng: bool = True
     """Load RNG state (--no-load-rng turns off)."""
     finetune: bool = False
     """Load weights only and reset the iteration count."""
     pretrained_checkpoint: str | None = None
-    """Separate checkpoint to finetune from (not supported yet: use load with finetune)."""
+    """Checkpoint to finetune from (weights only, iteration 0) when ``load`` holds none to resume."""
     ckpt_step: int | None = None
-    """Load this iteration instead of the latest (not supported yet: None)."""
+    """Load this iteration of ``load`` instead of its latest."""
     ckpt_format: str = "torch"
     """Checkpoint format: megatron_lite reads and writes Megatron's legacy ``torch`` format."""
     async_save: bool = False
@@ -41,6 +43,13 @@ class CheckpointConfig:
     """Keep one background worker for async saves."""
 
     def finalize(self) -> None:
+        if self.pretrained_checkpoint is not None:
+            # Looked up through the module when called: upstream's tests patch it there.
+            require(
+                checkpoint_utils.file_exists(self.pretrained_checkpoint),
+                "--pretrained-checkpoint",
+                f"Pretrained checkpoint {self.pretrained_checkpoint} does not exist",
+            )
         if self.load_main_params_from_ckpt:
             require(
                 not self.load_optim,
@@ -55,5 +64,7 @@ class CheckpointConfig:
             )
         if self.ckpt_step is not None and self.load is None:
             raise ConfigError(
-                "--ckpt-step", f"ckpt_step={self.ckpt_step} specified but checkpoint.load is None; set --load"
+                "--ckpt-step",
+                f"ckpt_step={self.ckpt_step} specified but checkpoint.load is None. "
+                "Please set checkpoint.load to the base checkpoint directory (--load).",
             )

@@ -16,12 +16,13 @@ import sys
 import warnings
 from dataclasses import dataclass, field, fields
 
+from megatron_lite.data.base import DatasetProvider
 from megatron_lite.models.gpt_provider import GPTModelProvider
 from megatron_lite.training.config.base import _ConfigContainerBase
 from megatron_lite.training.config.checkpoint import CheckpointConfig
 from megatron_lite.training.config.data import GPTDatasetConfig, MockGPTDatasetConfig
-from megatron_lite.training.config.errors import ConfigError, require
 from megatron_lite.training.config.logging import LoggerConfig
+from megatron_lite.training.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from megatron_lite.training.config.optimizer import (
     DistributedDataParallelConfig,
     OptimizerConfig,
@@ -40,6 +41,7 @@ from megatron_lite.training.config.training import (
 )
 from megatron_lite.training.config.validate import run_checks
 from megatron_lite.training.config.validate.data import resolve_vocab_size
+from megatron_lite.training.errors import ConfigError, require
 from megatron_lite.training.tokenizers.config import TokenizerConfig
 
 __all__ = ["ConfigContainer", "apply_environment_variables", "runtime_config_update"]
@@ -75,15 +77,16 @@ class ConfigContainer(_ConfigContainerBase):
     ddp: DistributedDataParallelConfig = field(default_factory=DistributedDataParallelConfig)
     validation: ValidationConfig = field(default_factory=lambda: ValidationConfig(eval_iters=10))
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    dataset: GPTDatasetConfig = field(default_factory=_demo_dataset)
+    dataset: GPTDatasetConfig | DatasetProvider = field(default_factory=_demo_dataset)
     logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(log_interval=10))
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistributedInitConfig = field(default_factory=DistributedInitConfig)
     profiling: ProfilingConfig | None = None
     """Profiler settings; None profiles nothing."""
-    mixed_precision: object | None = None
-    """Mixed-precision recipe (not supported: precision is model.bf16)."""
+    mixed_precision: MixedPrecisionConfig | str | None = None
+    """Mixed-precision recipe (a MixedPrecisionConfig or a recipe's name, e.g. ``"bf16_mixed"``),
+    applied to the model, optimizer and DDP sections by :func:`runtime_config_update`."""
     comm_overlap: object | None = None
     """Communication-overlap tuning (not supported: None)."""
     peft: object | None = None
@@ -99,6 +102,7 @@ class ConfigContainer(_ConfigContainerBase):
     inprocess_restart: object | None = None
     """In-process restart (not supported: None)."""
     _data_parallel_size: int | None = field(default=None, init=False, repr=False, compare=False)
+    _validated: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def model_parallel_size(self) -> int:
@@ -115,10 +119,13 @@ class ConfigContainer(_ConfigContainerBase):
 
     @property
     def data_parallel_size(self) -> int:
-        """Set by validate; before that, derived from world_size."""
-        if self._data_parallel_size is not None:
-            return self._data_parallel_size
-        return self.get_data_parallel_size(self.world_size)
+        """Set by set_data_parallel_size (validate and runtime_config_update call it); as upstream,
+        the attribute does not exist before that."""
+        if self._data_parallel_size is None:
+            raise AttributeError(
+                "data_parallel_size is set by set_data_parallel_size() (validate() calls it)"
+            )
+        return self._data_parallel_size
 
     @data_parallel_size.setter
     def data_parallel_size(self, value: int) -> None:
@@ -171,11 +178,12 @@ class ConfigContainer(_ConfigContainerBase):
             "Sequence length must be divisible by 2 * context parallel size if context parallel is used "
             f"({self.model.seq_length} % {2 * cp}; each CP rank holds two of 2 cp equal chunks)",
         )
+        # A custom DatasetProvider may have no seq_length of its own (as upstream).
         require(
-            self.model.seq_length == self.dataset.seq_length,
+            getattr(self.dataset, "seq_length", self.model.seq_length) == self.model.seq_length,
             "--seq-length",
             "Please ensure sequence length configuration in model config and dataset config match "
-            f"(model {self.model.seq_length}, dataset {self.dataset.seq_length})",
+            f"(model {self.model.seq_length}, dataset {getattr(self.dataset, 'seq_length', None)})",
         )
         for f in fields(ValidationConfig):
             value = getattr(self.train, f.name, None)
@@ -185,6 +193,7 @@ class ConfigContainer(_ConfigContainerBase):
                 )
                 setattr(self.validation, f.name, value)
         run_checks(self)
+        self._validated = True
 
     def _resolve_validation_batches(self) -> None:
         v, t = self.validation, self.train
@@ -240,8 +249,13 @@ def apply_environment_variables(cfg: ConfigContainer) -> None:
 
 
 def runtime_config_update(cfg: ConfigContainer) -> None:
-    """Apply environment defaults, then validate (there is no mixed-precision recipe or
-    communication-overlap setup to apply in megatron_lite)."""
+    """As upstream, before initialization: apply environment defaults, resolve and apply the
+    mixed-precision recipe, derive the data-parallel size, then validate (megatron_lite has no
+    communication-overlap setup to apply)."""
     apply_environment_variables(cfg)
+    if cfg.mixed_precision is not None:
+        cfg.mixed_precision = get_mixed_precision_config(cfg.mixed_precision)
+        cfg.mixed_precision.finalize()
+        cfg.mixed_precision.setup(cfg.model, cfg.optimizer, cfg.ddp)
     cfg.set_data_parallel_size()
     cfg.validate()

@@ -13,20 +13,8 @@ from dataclasses import dataclass
 
 from megatron_lite.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron_lite.core.datasets.gpt_dataset import GPTDatasetConfig as _CoreGPTDatasetConfig
-from megatron_lite.training.config.errors import ConfigError, UnexpectedFieldError, require
-
-
-@dataclass(kw_only=True)
-class DataloaderConfig:
-    """How samples are batched into microbatches."""
-
-    dataloader_type: str | None = "single"
-    """single: each sample once, in order, resumable at any consumed-sample count (the only kind)."""
-    num_workers: int = 2
-    """Data-loader worker processes per iterator (0: read in the training process)."""
-
-    def finalize(self) -> None:
-        """Nothing to derive; the type is checked by ConfigContainer.validate."""
+from megatron_lite.data.base import DataloaderConfig
+from megatron_lite.training.errors import ConfigError, UnexpectedFieldError, require
 
 
 @dataclass(kw_only=True)

@@ -6,7 +6,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_lite.training.config.errors import ConfigError, MissingPackageError
+from megatron_lite.training.errors import ConfigError, MissingPackageError
 
 
 @dataclass(kw_only=True)

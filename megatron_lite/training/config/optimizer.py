@@ -9,11 +9,11 @@ ConfigContainer.validate refuses them switched on.
 
 from __future__ import annotations
 
-import warnings
+import sys
 from dataclasses import dataclass
 
 from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig as _CoreOptimizerConfig
-from megatron_lite.training.config.errors import require
+from megatron_lite.training.errors import require
 
 
 @dataclass(kw_only=True)
@@ -65,15 +65,19 @@ class DistributedDataParallelConfig:
 
 def _validate_and_sync_distributed_optimizer_settings(config) -> None:
     """As upstream: switching the distributed optimizer (or param-gather overlap) on in either the
-    DDP or the optimizer section switches it on in both."""
-    for name in ("use_distributed_optimizer", "overlap_param_gather"):
+    DDP or the optimizer section switches it on in both, with a warning on rank 0."""
+    # warn_rank_0 is looked up on the package when called: upstream's tests patch it there.
+    warn = sys.modules[__package__].warn_rank_0
+    for name, label, what in (
+        ("use_distributed_optimizer", "Distributed optimizer", "distributed optimizer"),
+        ("overlap_param_gather", "overlap_param_gather", "overlap_param_gather"),
+    ):
         ddp_value, opt_value = getattr(config.ddp, name), getattr(config.optimizer, name)
         if ddp_value or opt_value:
             if ddp_value != opt_value:
-                warnings.warn(
-                    f"{name} settings were not in sync: ddp.{name}={ddp_value}, optimizer.{name}={opt_value}. "
-                    f"Automatically enabling {name} for both settings.",
-                    stacklevel=2,
+                warn(
+                    f"{label} settings were not in sync: ddp.{name}={ddp_value}, optimizer.{name}={opt_value}. "
+                    f"Automatically enabling {what} for both settings."
                 )
             setattr(config.ddp, name, True)
             setattr(config.optimizer, name, True)

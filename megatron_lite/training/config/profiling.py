@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_lite.training.config.errors import require
+from megatron_lite.training.errors import require
 
 
 @dataclass(kw_only=True)
@@ -19,7 +19,8 @@ class ProfilingConfig:
     profile_step_end: int = 12
     """Global step to stop profiling."""
     use_pytorch_profiler: bool = False
-    """torch.profiler: one Chrome trace per profiled rank under <tensorboard_dir>/../torch_profile."""
+    """torch.profiler: one Chrome trace per profiled rank under <tensorboard_dir>/../torch_profile
+    (./torch_profile without a TensorBoard directory)."""
     pytorch_profiler_collect_shapes: bool = False
     """Record tensor shapes in the torch profiler's trace."""
     pytorch_profiler_collect_callstack: bool = False

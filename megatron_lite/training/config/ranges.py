@@ -14,8 +14,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from megatron_lite.training.config.errors import ConfigError
 from megatron_lite.training.config.flags import FLAGS
+from megatron_lite.training.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,8 @@ RANGES: dict[str, Range] = {
     "--lr-warmup-samples": ZERO_OR_MORE,
     "--lr-warmup-fraction": Range(low=0.0, high=1.0, integer=False),
     "--lr-warmup-init": NON_NEGATIVE,
+    "--start-weight-decay": NON_NEGATIVE,
+    "--end-weight-decay": NON_NEGATIVE,
     # Data and seeds
     "--num-workers": ZERO_OR_MORE,  # 0: load in the training process
     "--seed": Range(low=0, high=2**32 - 1),  # NumPy's seeds
@@ -138,6 +140,7 @@ RANGES: dict[str, Range] = {
     "--tensorboard-queue-size": ONE_OR_MORE,
     # Checkpoints and launch
     "--save-interval": ONE_OR_MORE,
+    "--ckpt-step": ZERO_OR_MORE,
     "--nproc-per-node": ONE_OR_MORE,
     "--distributed-timeout-minutes": ONE_OR_MORE,
     # Profiling (steps count from 0) and the preflight

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from megatron_lite.training.config.errors import ConfigError, require
+from megatron_lite.training.errors import ConfigError, require
 
 
 @dataclass(kw_only=True)
@@ -129,15 +129,16 @@ class SchedulerConfig:
     lr_warmup_init: float = 0.0
     """Learning rate at the start of warmup."""
     override_opt_param_scheduler: bool = False
-    """Ignore the scheduler state in a checkpoint (not supported yet: False)."""
+    """On resume, keep this run's schedule values where the checkpoint's differ."""
     use_checkpoint_opt_param_scheduler: bool = False
-    """Take the schedule from the checkpoint (not supported yet: False)."""
+    """On resume, take the schedule values from the checkpoint."""
     start_weight_decay: float | None = None
-    """Weight decay at the start of an increment schedule (not supported yet: None)."""
+    """Weight decay at the start of a linear or cosine increment (needs end_weight_decay)."""
     end_weight_decay: float | None = None
-    """Weight decay at the end of an increment schedule (not supported yet: None)."""
+    """Weight decay at its end; with the constant style, the weight decay throughout (None:
+    optimizer.weight_decay)."""
     weight_decay_incr_style: str = "constant"
-    """Weight-decay schedule: only constant."""
+    """Weight decay from start to end over the run: constant, linear or cosine."""
     max_steps: int | None = None
     """Schedule as if training ran this many iterations (>= train_iters), for shortened runs."""
     lr_decay_steps: int | None = field(default=None, init=False)
@@ -156,12 +157,33 @@ class SchedulerConfig:
             )
         if self.start_weight_decay is not None:
             require(
-                self.start_weight_decay >= 0.0, "start_weight_decay", "start_weight_decay should be positive."
+                self.start_weight_decay >= 0.0,
+                "--start-weight-decay",
+                "start_weight_decay should be positive.",
             )
             require(
                 self.end_weight_decay is not None and self.end_weight_decay >= self.start_weight_decay,
-                "end_weight_decay",
+                "--end-weight-decay",
                 "end_weight_decay must be >= start_weight_decay",
+            )
+        require(
+            self.weight_decay_incr_style in ("constant", "linear", "cosine"),
+            "--weight-decay-incr-style",
+            f"must be constant, linear or cosine, got {self.weight_decay_incr_style!r}",
+        )
+        if self.weight_decay_incr_style == "constant":
+            require(
+                None in (self.start_weight_decay, self.end_weight_decay)
+                or self.start_weight_decay == self.end_weight_decay,
+                "--end-weight-decay",
+                "a constant weight decay (--weight-decay-incr-style constant) needs "
+                f"--start-weight-decay ({self.start_weight_decay}) == --end-weight-decay ({self.end_weight_decay})",
+            )
+        else:
+            require(
+                self.start_weight_decay is not None and self.end_weight_decay is not None,
+                "--weight-decay-incr-style",
+                f"{self.weight_decay_incr_style} needs --start-weight-decay and --end-weight-decay",
             )
         require(
             not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),

@@ -25,8 +25,8 @@ import warnings
 from dataclasses import dataclass
 
 from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
-from megatron_lite.training.config.errors import ConfigError
 from megatron_lite.training.config.ranges import RANGES, check_value
+from megatron_lite.training.errors import ConfigError
 
 RESERVE_FRACTION = 0.10
 PREFLIGHT_FLAGS = ("--memory-preflight", "--device-memory-gb")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from megatron_lite.training.config.errors import ConfigError
+from megatron_lite.training.errors import ConfigError
 from megatron_lite.training.tokenizers.config import TokenizerConfig
 from megatron_lite.training.tokenizers.tokenizer import build_tokenizer
 

@@ -14,7 +14,7 @@ import json
 import os
 from collections import OrderedDict
 
-from megatron_lite.training.config.errors import ConfigError
+from megatron_lite.training.errors import ConfigError
 from megatron_lite.training.tokenizers.config import TokenizerConfig
 from megatron_lite.training.tokenizers.gpt2_bpe import tiktoken_encoding
 

@@ -15,7 +15,7 @@ def num_floating_point_operations(cfg, batch_size: int = 1) -> float:
     """
     m = cfg.model
     h, layers, ffn = m.hidden_size, m.num_layers, m.ffn_hidden_size or 4 * m.hidden_size
-    seq = cfg.dataset.seq_length if hasattr(cfg.dataset, "seq_length") else cfg.dataset.sequence_length
+    seq = m.seq_length  # validate keeps a GPT dataset's equal to it; a custom provider may have none
     vocab = m.padded_vocab_size if hasattr(m, "padded_vocab_size") else m.vocab_size
     query = m.kv_channels * m.num_attention_heads
     key_value = m.kv_channels * (getattr(m, "num_query_groups", None) or m.num_attention_heads)

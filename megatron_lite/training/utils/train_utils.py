@@ -426,6 +426,8 @@ def _step_time_line(per_iteration: float, per_rank_tflops: float, tokens_per_ste
     second and model TFLOP/s per rank."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return f"Step Time : {per_iteration:.2f}s GPU utilization: {per_rank_tflops:.1f}MODEL_TFLOP/s/GPU"
+    if not isinstance(tokens_per_step, (int, float)):  # a config without a sequence length (a stand-in)
+        return f"Step Time : {per_iteration:.2f}s model {per_rank_tflops:.3f} TFLOP/s per rank (CPU)"
     return (
         f"Step Time : {per_iteration:.2f}s throughput: {tokens_per_step / per_iteration:.0f} tokens/s, "
         f"model {per_rank_tflops:.3f} TFLOP/s per rank (CPU)"
@@ -433,8 +435,9 @@ def _step_time_line(per_iteration: float, per_rank_tflops: float, tokens_per_ste
 
 
 def _seq_length(config) -> int:
-    dataset = config.dataset
-    return dataset.seq_length if hasattr(dataset, "seq_length") else dataset.sequence_length
+    """The dataset's sequence length, else the model's (a custom DatasetProvider may have none)."""
+    seq = getattr(config.dataset, "seq_length", None)
+    return seq if seq is not None else config.model.seq_length
 
 
 def _interval_tflops_per_gpu(config, global_state, elapsed: float) -> float | None:

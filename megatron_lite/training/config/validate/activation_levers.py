@@ -4,7 +4,7 @@ the other config checks: each failure is one ConfigError naming the flag and the
 from __future__ import annotations
 
 from megatron_lite.core.transformer.pipeline_layer_split import layers_per_pipeline_stage
-from megatron_lite.training.config.errors import ConfigError
+from megatron_lite.training.errors import ConfigError
 
 RECOMPUTE_MODULES = ("core_attn", "mlp")
 

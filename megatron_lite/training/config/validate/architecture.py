@@ -4,7 +4,7 @@ run by validate with the other config checks: each failure is one ConfigError na
 from __future__ import annotations
 
 from megatron_lite.core.transformer.torch_norm import NORMALIZATIONS
-from megatron_lite.training.config.errors import ConfigError
+from megatron_lite.training.errors import ConfigError
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 

@@ -13,7 +13,8 @@ import warnings
 
 import torch
 
-from megatron_lite.training.config.errors import ConfigError
+from megatron_lite.training.config.mixed_precision import check_supported_precision
+from megatron_lite.training.errors import ConfigError
 from megatron_lite.training.utils.cpu_features import has_bf16_matrix_units
 
 _SUPPORTED_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -28,7 +29,7 @@ def _refuse(flags: dict[str, bool]) -> None:
 def check_supported(cfg) -> None:
     """Refuse every field of a feature megatron_lite does not have, set away from its default."""
     m, t, o, d, ck = cfg.model, cfg.train, cfg.optimizer, cfg.ddp, cfg.checkpoint
-    sch, ds, tok = cfg.scheduler, cfg.dataset, cfg.tokenizer
+    ds, tok = cfg.dataset, cfg.tokenizer
     _refuse(
         {
             "--fp16": m.fp16 or o.fp16,
@@ -49,22 +50,15 @@ def check_supported(cfg) -> None:
             "--skip-train": bool(cfg.validation.skip_train),
             "--dataloader-type": ds.dataloader_type not in (None, "single"),
             "--tokenizer-metadata": tok.metadata_path is not None,
-            "--pretrained-checkpoint": ck.pretrained_checkpoint is not None,
-            "--ckpt-step": ck.ckpt_step is not None,
             "--async-save": ck.async_save,
-            "--load-main-params-from-ckpt": ck.load_main_params_from_ckpt,
             "--no-save-optim": not ck.save_optim,
             "--no-save-rng": not ck.save_rng,
-            "--start-weight-decay": sch.start_weight_decay is not None
-            or sch.weight_decay_incr_style != "constant",
-            "--override-opt-param-scheduler": sch.override_opt_param_scheduler,
-            "--use-checkpoint-opt-param-scheduler": sch.use_checkpoint_opt_param_scheduler,
             "--rerun-mode": cfg.rerun_state_machine.rerun_mode != "disabled",
             "--error-injection-rate": cfg.rerun_state_machine.error_injection_rate != 0,
             "--check-for-spiky-loss": cfg.rerun_state_machine.check_for_spiky_loss,
         }
     )
-    if ds.reset_attention_mask:
+    if getattr(ds, "reset_attention_mask", False):
         raise ConfigError(
             "--reset-attention-mask",
             "is not supported yet by megatron_lite: its attention is causal over the whole sequence and "
@@ -82,7 +76,7 @@ def check_supported(cfg) -> None:
         )
     if d.bucket_size is not None and d.bucket_size <= 0:
         raise ConfigError("--ddp-bucket-size", f"must be positive, got {d.bucket_size}")
-    if (ck.save or ck.load) and ck.ckpt_format != "torch":
+    if (ck.save or ck.load or ck.pretrained_checkpoint) and ck.ckpt_format != "torch":
         raise ConfigError(
             "--ckpt-format", f"{ck.ckpt_format!r} is not supported yet; megatron_lite saves and loads 'torch'"
         )
@@ -111,10 +105,6 @@ def check_supported(cfg) -> None:
                 "--profile-step-end",
                 f"{p.profile_step_end} is past --train-iters {cfg.train.train_iters}: the profile would never end",
             )
-        if p.use_pytorch_profiler and not cfg.logger.tensorboard_dir:
-            raise ConfigError(
-                "--use-pytorch-profiler", "writes its traces beside --tensorboard-dir; set --tensorboard-dir"
-            )
     if m.bf16 and not torch.cuda.is_available() and has_bf16_matrix_units() is False:
         warnings.warn(
             "--bf16 on a CPU without bf16 matrix instructions (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): "
@@ -122,8 +112,15 @@ def check_supported(cfg) -> None:
             "(bench/pipeline_vs_torch_pipelining.py prints the ratio)",
             stacklevel=2,
         )
+    if isinstance(cfg.mixed_precision, str):
+        raise ConfigError(
+            "mixed_precision",
+            f"the recipe name {cfg.mixed_precision!r} is applied by runtime_config_update(cfg) "
+            "(which then validates), not by validate() alone",
+        )
+    if cfg.mixed_precision is not None:
+        check_supported_precision(cfg.mixed_precision)
     for name in (
-        "mixed_precision",
         "comm_overlap",
         "peft",
         "ft",
@@ -144,7 +141,7 @@ def check_ranges(cfg) -> None:
         "--hidden-size": m.hidden_size,
         "--num-attention-heads": m.num_attention_heads,
         "--ffn-hidden-size": m.ffn_hidden_size,
-        "--seq-length": cfg.dataset.seq_length,
+        "--seq-length": getattr(cfg.dataset, "seq_length", m.seq_length),
         "--max-position-embeddings": m.max_position_embeddings or m.seq_length,
         "--vocab-size": m.vocab_size,
         "--micro-batch-size": t.micro_batch_size,
@@ -177,10 +174,10 @@ def check_ranges(cfg) -> None:
     if s.lr_decay_style not in _SUPPORTED_DECAY_STYLES:
         raise ConfigError("--lr-decay-style", f"must be constant, linear or cosine, got {s.lr_decay_style!r}")
     mpe = m.max_position_embeddings or m.seq_length
-    if cfg.dataset.seq_length > mpe:
+    if m.seq_length > mpe:
         raise ConfigError(
             "--seq-length",
-            f"{cfg.dataset.seq_length} exceeds --max-position-embeddings {mpe}; "
+            f"{m.seq_length} exceeds --max-position-embeddings {mpe}; "
             "lower --seq-length or raise --max-position-embeddings",
         )
     if cfg.dist.distributed_backend not in (None, "gloo", "nccl"):

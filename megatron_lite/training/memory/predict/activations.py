@@ -29,10 +29,10 @@ class Shape:
 
 def make_shape(config) -> Shape:
     m = config.model
-    tokens = config.dataset.sequence_length // m.context_parallel_size * config.train.micro_batch_size
+    tokens = m.seq_length // m.context_parallel_size * config.train.micro_batch_size
     norm_tokens = tokens // m.tensor_model_parallel_size if m.sequence_parallel else tokens
     elt = 2 if (m.bf16 or m.fp16) else 4
-    seq = config.dataset.sequence_length
+    seq = m.seq_length
     batch = config.train.micro_batch_size
     return Shape(tokens, norm_tokens, seq, seq // m.context_parallel_size, batch, elt, m)
 

@@ -3,7 +3,8 @@
 Upstream's config checks raise ``AssertionError`` (its ``assert`` statements) or ``ValueError``, and
 code ported from upstream catches those. A ConfigError is both, so ``pytest.raises(AssertionError)``,
 ``except ValueError`` and pretrain.py's one-line ``pretrain.py: error: ...`` all see the same error.
-Unlike a bare ``assert`` it survives ``python -O``.
+Unlike a bare ``assert`` it survives ``python -O``. It lives here, below the config package, because
+the parts the config builds while validating (the tokenizers) raise it too.
 """
 
 from __future__ import annotations

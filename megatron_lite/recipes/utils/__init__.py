@@ -1,0 +1,1 @@
+"""Helpers the recipes share (``optimizer_utils``: optimizer and schedule pairs)."""
