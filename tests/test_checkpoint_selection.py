@@ -63,15 +63,24 @@ def _weights(path) -> list[torch.Tensor]:
     return [t for k, t in model.items() if torch.is_tensor(t) and not k.endswith("_extra_state")]
 
 
-@pytest.mark.parametrize("from_ckpt", [True, False])
-def test_bf16_main_params_restart_from_the_loaded_weights(saved, from_ckpt):
-    """bf16 model, fp32 checkpoint, no optimizer state, learning rate 0: the main weights saved one
-    iteration later are the checkpoint's exactly (``--load-main-params-from-ckpt``) or its bf16
-    rounding (the loaded model's), never the run's own initial weights."""
+MAIN_PARAMS = {
+    "from_ckpt": ["--no-load-optim", "--load-main-params-from-ckpt"],
+    "from_model": ["--no-load-optim"],
+    "with_optimizer_state": ["--override-opt-param-scheduler"],  # lr 0 is another schedule
+}
+
+
+@pytest.mark.parametrize("mode", list(MAIN_PARAMS))
+def test_bf16_main_params_restart_from_the_loaded_weights(saved, mode):
+    """bf16 model, fp32 checkpoint, learning rate 0: the main weights saved one iteration later are
+    the checkpoint's exactly (``--load-main-params-from-ckpt``, or its optimizer state: an fp32 run's
+    weights were its main weights) or their bf16 rounding (the loaded model's, without either), never
+    the run's own initial weights."""
     root, _ = saved
-    out = f"b{int(from_ckpt)}"
-    args = [*ARGS, "--bf16", "--load", "c", "--no-load-optim", "--lr", "0", "--min-lr", "0"]
-    args += ["--train-iters", "5", "--save", out, *(["--load-main-params-from-ckpt"] if from_ckpt else [])]
+    from_ckpt = mode != "from_model"
+    out = f"b_{mode}"
+    args = [*ARGS, "--bf16", "--load", "c", *MAIN_PARAMS[mode], "--lr", "0", "--min-lr", "0"]
+    args += ["--train-iters", "5", "--save", out]
     ok(run_pretrain(args, root))
     fp32 = _weights(root / "c" / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt")
     payload = torch.load(root / out / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)

@@ -43,20 +43,25 @@ def _type_checking(node: ast.If) -> bool:
     return getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING"
 
 
-def _imports(tree: ast.Module, mods) -> tuple[set[str], set[str]]:
-    """(module-level targets, targets imported inside functions)."""
+def _imports(tree: ast.Module, mods, package: str) -> tuple[set[str], set[str]]:
+    """(module-level targets, targets imported inside functions); ``package`` resolves relative ones."""
     top, late = set(), set()
 
     def visit(body, at_top: bool) -> None:
         for node in body:
             if isinstance(node, ast.If) and _type_checking(node):
+                visit(node.orelse, at_top)  # the else branch runs
                 continue
             if isinstance(node, ast.Import):
                 (top if at_top else late).update(a.name for a in node.names if a.name in mods)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the importer's package, up level - 1
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
                 for alias in node.names:
-                    full = f"{node.module}.{alias.name}"
-                    target = full if full in mods else node.module
+                    full = f"{base}.{alias.name}"
+                    target = full if full in mods else base
                     if target in mods:
                         (top if at_top else late).add(target)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -65,7 +70,7 @@ def _imports(tree: ast.Module, mods) -> tuple[set[str], set[str]]:
                 for child in ast.iter_child_nodes(node):
                     if isinstance(child, ast.stmt):
                         visit([child], at_top)
-                    elif isinstance(child, ast.excepthandler):
+                    elif isinstance(child, (ast.excepthandler, ast.match_case)):
                         visit(child.body, at_top)
 
     visit(tree.body, True)
@@ -76,7 +81,8 @@ def _graph():
     mods = _modules()
     top, late = {}, {}
     for name, path in mods.items():
-        top[name], late[name] = _imports(ast.parse(path.read_text()), mods)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        top[name], late[name] = _imports(ast.parse(path.read_text()), mods, package)
         top[name].discard(name)
     return mods, top, late
 
@@ -89,12 +95,13 @@ def test_no_import_circles():
     mods, top, _ = _graph()
     edges = {}
     for name, targets in top.items():
+        # A package the importer sits in is mid-import already: only a direct import of it is an edge.
         own = {".".join(name.split(".")[:k]) for k in range(1, name.count(".") + 2)}
-        implied = set(targets)
+        implied = set()
         for target in targets:
             parts = target.split(".")
             implied.update(".".join(parts[:k]) for k in range(1, len(parts)))
-        edges[name] = {t for t in implied if t in mods and t not in own}
+        edges[name] = set(targets) | {t for t in implied if t in mods and t not in own}
     circles, index, low, stack, on_stack = [], {}, {}, [], set()
 
     def strongly_connect(v):  # Tarjan's algorithm
@@ -132,20 +139,29 @@ def test_no_import_from_a_lower_floor_to_a_higher_one():
     assert upward == []
 
 
-def test_the_checker_sees_circles_and_floors(tmp_path, monkeypatch):
-    """The two checks above fail on a package that has a circle through a package's __init__ and an
-    upward import."""
+def _fake_package(tmp_path, monkeypatch, files: dict[str, str]) -> None:
+    """Write ``files`` as a package named megatron_lite under ``tmp_path`` and point the checks at it."""
     pkg = tmp_path / "megatron_lite"
-    for rel, text in {
-        "__init__.py": "",
-        "core/__init__.py": "from megatron_lite.core.a import A\n",
-        "core/a.py": "A = 1\nfrom megatron_lite.training.b import B\n",
-        "training/__init__.py": "",
-        "training/b.py": "from megatron_lite.core.a import A\nB = 2\n",
-    }.items():
+    for rel, text in files.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text(text)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+
+
+def test_the_checker_sees_circles_and_floors(tmp_path, monkeypatch):
+    """The two checks above fail on a package that has a circle through a package's __init__ and an
+    upward import."""
+    _fake_package(
+        tmp_path,
+        monkeypatch,
+        {
+            "__init__.py": "",
+            "core/__init__.py": "from megatron_lite.core.a import A\n",
+            "core/a.py": "A = 1\nfrom ..training.b import B\n",  # relative, and upward
+            "training/__init__.py": "",
+            "training/b.py": "from megatron_lite.core.a import A\nB = 2\n",
+        },
+    )
     _, top, _ = _graph()
     assert top["megatron_lite.core.a"] == {"megatron_lite.training.b"}
     try:
@@ -160,3 +176,21 @@ def test_the_checker_sees_circles_and_floors(tmp_path, monkeypatch):
         pass
     else:
         raise AssertionError("the circle core.a -> training.b -> core.a was not seen")
+
+
+def test_the_checker_sees_a_circle_through_the_importers_own_package(tmp_path, monkeypatch):
+    """``core/b.py`` importing its own package, whose ``__init__`` imports ``core/b.py``."""
+    _fake_package(
+        tmp_path,
+        monkeypatch,
+        {
+            "__init__.py": "",
+            "core/__init__.py": "from megatron_lite.core.b import B\nA = 1\n",
+            "core/b.py": "from megatron_lite.core import A\nB = 2\n",
+        },
+    )
+    try:
+        test_no_import_circles()
+    except AssertionError:
+        return
+    raise AssertionError("the circle core -> core.b -> core was not seen")

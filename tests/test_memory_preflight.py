@@ -4,6 +4,7 @@ fix, without building a world; on the README's cluster example at its real size.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shlex
@@ -102,3 +103,29 @@ def test_a_first_stage_heavy_layout_is_fixed_by_moving_layers_to_the_last_stage(
     assert fix == "--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3".split()
     out = io.StringIO()
     assert preflight([*argv, *fix], device, out) == 0, out.getvalue()
+
+
+def test_the_json_holds_the_table_the_verdict_and_the_fix(tmp_path):
+    """--memory-preflight-json FILE: per stage the bytes the table shows in GB, the verdict and the
+    flags of the fix; a FILE that cannot be written is one line before anything runs."""
+    argv = [*readme_cluster_argv(), "--memory-preflight", "--memory-preflight-json", "preflight.json"]
+    fits = run_pretrain([*argv, "--device-memory-gb", "80"], tmp_path, timeout=120)
+    record = json.loads((tmp_path / "preflight.json").read_text())
+    table = _table(fits.stdout)
+    assert [s["stage"] for s in record["stages"]] == sorted(table)
+    for s in record["stages"]:
+        parts = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes")
+        assert sum(s[k] for k in parts) == s["predicted_max_allocated_bytes"]
+        assert f"{s['predicted_max_allocated_bytes'] / 1e9:.3g}" == f"{table[s['stage']]:.3g}"
+    assert (record["fits"], record["recommendation"], record["device_bytes"]) == (True, "", 80 * 10**9)
+
+    device = f"{max(table.values()) * 0.8:.1f}"
+    short = run_pretrain([*argv, "--device-memory-gb", device], tmp_path, timeout=120)
+    record = json.loads((tmp_path / "preflight.json").read_text())
+    fix = re.search(r"cheapest change that fits every stage: (.*?)  \(", short.stdout).group(1)
+    assert short.returncode == 1 and (record["fits"], record["recommendation"]) == (False, fix)
+    assert sorted(os.listdir(tmp_path)) == ["preflight.json"]  # written atomically: no temporary left
+
+    bad = run_pretrain([*argv[:-1], "missing/preflight.json", "--device-memory-gb", "80"], tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--memory-preflight-json" in bad.stderr
+    assert sorted(os.listdir(tmp_path)) == ["preflight.json"]

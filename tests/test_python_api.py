@@ -67,15 +67,17 @@ def _train(rank, world):
     pretrain_module.setup = recording_setup
     pretrain_module.pretrain(cfg, forward_step)
     dtypes = {p.dtype for chunk in captured["s"].model for p in chunk.module.parameters()}
-    return provider.context, cfg.model.bf16, dtypes, captured["s"].state.train_state.step
+    c = provider.context  # its process groups stay in the worker: report whether they came
+    samples = (c.train_samples, c.valid_samples, c.test_samples, c.pg_collection is not None)
+    return samples, cfg.model.bf16, dtypes, captured["s"].state.train_state.step
 
 
 def test_unvalidated_config_with_recipe_name_and_custom_dataset_trains(capfd):
-    [(context, bf16, dtypes, steps)] = run_world(_train, 1)
+    [(samples, bf16, dtypes, steps)] = run_world(_train, 1)
     # runtime_config_update ran inside pretrain(): the recipe reached the model, and the provider was
-    # asked for the run's samples (2 iterations of 4).
+    # asked for the run's samples (2 iterations of 4), with the run's process groups.
     assert bf16 and dtypes == {torch.bfloat16}
-    assert (context.train_samples, context.valid_samples, context.test_samples) == (8, 0, 0)
+    assert samples == (8, 0, 0, True)
     assert steps == 2
     out = capfd.readouterr().out
     assert " iteration        2/       2 |" in out, out[-2000:]

@@ -66,12 +66,12 @@ def _validation_lines(stdout: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory):
-    """60 iterations straight; 6 iterations + save; resumed from 6 to 12. pp = 2, dp = 2."""
+    """60 iterations straight, saving every 6; resumed from iteration 6 (--ckpt-step) to 12. pp = 2,
+    dp = 2."""
     run = tmp_path_factory.mktemp("runs")
     args = [*MODEL, *_data(corpus, "--data-cache-path", str(run / "cache"))]
-    straight = _ok(run_pretrain(args, run))
-    _ok(run_pretrain([*args, "--save", "ckpt", "--exit-interval", "6"], run))
-    resumed = _ok(run_pretrain([*args, "--load", "ckpt", "--exit-interval", "12"], run))
+    straight = _ok(run_pretrain([*args, "--save", "ckpt", "--save-interval", "6"], run))
+    resumed = _ok(run_pretrain([*args, "--load", "ckpt", "--ckpt-step", "6", "--exit-interval", "12"], run))
     return run, straight, resumed
 
 

@@ -51,14 +51,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, config) -> li
     return datasets
 
 
-def build_train_valid_datasets(config) -> tuple:
+def build_train_valid_datasets(config, pg_collection=None) -> tuple:
     """The training and validation datasets. Collective over the world with real data."""
     ds, m, t, v = config.dataset, config.model, config.train, config.validation
     if isinstance(ds, DatasetProvider):
         samples = get_train_valid_test_num_samples(config)
-        train, valid, _test = ds.build_datasets(
-            DatasetBuildContext(*samples, tokenizer=get_tokenizer(config))
-        )
+        context = DatasetBuildContext(*samples, tokenizer=get_tokenizer(config), pg_collection=pg_collection)
+        train, valid, _test = ds.build_datasets(context)
         return train, valid
     if not ds.mock:
         train, valid, _test = train_valid_test_datasets_provider(

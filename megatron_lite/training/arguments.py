@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     preflight.add_argument(
         "--device-memory-gb", type=float, metavar="GB", help="The GPU's memory (preflight)."
     )
+    preflight.add_argument(
+        "--memory-preflight-json",
+        metavar="FILE",
+        help="Also write the preflight's per-stage bytes, verdict and recommendation to FILE (JSON).",
+    )
     # As upstream, memory history is independent of --profile.
     profiling.add_argument(
         "--record-memory-history",
@@ -131,7 +136,7 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
             setattr(getattr(config, section), name, value)
     dataset_from_args(args, config)
     config.profiling = _profiling_from_args(args)
-    if args.memory_preflight or args.device_memory_gb is not None:
+    if args.memory_preflight or args.device_memory_gb is not None or args.memory_preflight_json is not None:
         raise ConfigError(
             "--memory-preflight", "is a mode of pretrain.py: give it with --device-memory-gb GB"
         )

@@ -77,7 +77,7 @@ def build_data_iterators(
     or with ``num_chunks`` > 1 (virtual pipeline stages) one list of iterators per split, each over
     the same samples, so every chunk reads each microbatch once. Collective over the world."""
     t, v, ts = config.train, config.validation, state.train_state
-    train_ds, valid_ds = build_train_valid_datasets(config)
+    train_ds, valid_ds = build_train_valid_datasets(config, pg_collection)
     if dist.get_rank() == 0 and config.tokenizer.tokenizer_type is not None:
         m = config.model
         padded = m.padded_vocab_size

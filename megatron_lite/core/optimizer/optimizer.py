@@ -145,3 +145,5 @@ class MegatronOptimizer:
                 for p, m, saved in zip(self.params, self.masters, state["fp32_from_fp16_params"]):
                     m.copy_(saved)
                     p.copy_(saved)
+        else:  # saved by an fp32 run: its weights (loaded just before) were its main weights
+            self.reload_model_params()

@@ -82,9 +82,9 @@ def distributed_fused_adam_with_cosine_annealing_samples(
         end_weight_decay=0.033,
         weight_decay_incr_style="constant",
         lr_decay_style="cosine",
-        lr_warmup_samples=lr_warmup_samples,
+        lr_warmup_samples=0 if lr_warmup_samples is None else lr_warmup_samples,  # None: no warmup
         lr_warmup_init=0.0,
-        lr_decay_samples=lr_decay_samples,
+        lr_decay_samples=lr_decay_samples,  # None: decay over the run's samples
         override_opt_param_scheduler=True,
     )
     return optimizer, scheduler

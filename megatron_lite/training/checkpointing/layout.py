@@ -42,7 +42,7 @@ def parallel_layout() -> dict[str, int]:
     }
 
 
-def read_tracker(root: str) -> int | None:
+def read_tracker(root: str, flag: str = "--load") -> int | None:
     """The latest iteration in ``root``; None when there is nothing to resume from."""
     tracker = os.path.join(root, TRACKER)
     if not os.path.isdir(root) or not os.listdir(root):
@@ -50,8 +50,8 @@ def read_tracker(root: str) -> int | None:
     if not os.path.exists(tracker):
         if any(name.startswith("iter_") for name in os.listdir(root)):
             raise CheckpointError(
-                f"--load {root}: has checkpoint directories but no {TRACKER}; "
-                "point --load at a complete checkpoint directory"
+                f"{flag} {root}: has checkpoint directories but no {TRACKER}; "
+                f"point {flag} at a complete checkpoint directory"
             )
         return None
     try:
@@ -59,9 +59,9 @@ def read_tracker(root: str) -> int | None:
             text = f.read().strip()
         iteration = int(text)
     except (OSError, ValueError, UnicodeDecodeError):
-        raise CheckpointError(f"--load {root}: {TRACKER} is unreadable or not an iteration number") from None
+        raise CheckpointError(f"{flag} {root}: {TRACKER} is unreadable or not an iteration number") from None
     if iteration < 0:
-        raise CheckpointError(f"--load {root}: {TRACKER} holds a negative iteration ({iteration})")
+        raise CheckpointError(f"{flag} {root}: {TRACKER} holds a negative iteration ({iteration})")
     return iteration
 
 

@@ -27,7 +27,6 @@ from megatron_lite.training.checkpointing.layout import (
 from megatron_lite.training.checkpointing.rng import set_rng_state
 from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
 from megatron_lite.training.checkpointing.save import model_chunks
-from megatron_lite.training.utils.checkpoint_utils import checkpoint_exists
 
 
 def _load_model_state(model, payload: dict) -> None:
@@ -77,24 +76,20 @@ def _chosen_iteration(root: str, step: int) -> int:
 def _resolve(cfg) -> tuple[str | None, int | None, bool]:
     """Where to load from, which iteration (None: start fresh) and whether weights only, as upstream:
     ``load`` when it holds a checkpoint (its ``ckpt_step`` or latest), else ``pretrained_checkpoint``
-    (its latest, weights only)."""
-    if cfg.pretrained_checkpoint is not None and not checkpoint_exists(cfg.load):
-        if dist.get_rank() == 0:
-            print(
-                f" no checkpoint found in load directory {cfg.load}; "
-                f"finetuning from the pretrained checkpoint {cfg.pretrained_checkpoint}",
-                flush=True,
-            )
-        iteration = read_tracker(cfg.pretrained_checkpoint)
-        if iteration is None:
-            raise CheckpointError(
-                f"--pretrained-checkpoint {cfg.pretrained_checkpoint}: holds no checkpoint, "
-                f"and --load {cfg.load} none to resume"
-            )
-        return cfg.pretrained_checkpoint, iteration, True
+    (its latest, weights only). ``--ckpt-step`` names an iteration of ``load`` only; a ``load`` with
+    iterations but no tracker is refused, never passed over for the pretrained weights."""
     if cfg.ckpt_step is not None:
         return cfg.load, _chosen_iteration(cfg.load, cfg.ckpt_step), cfg.finetune
-    return cfg.load, read_tracker(cfg.load), cfg.finetune
+    resumable = cfg.load is not None and read_tracker(cfg.load) is not None
+    if cfg.pretrained_checkpoint is None or resumable:
+        return cfg.load, read_tracker(cfg.load), cfg.finetune
+    iteration = read_tracker(cfg.pretrained_checkpoint, flag="--pretrained-checkpoint")
+    if iteration is None:
+        raise CheckpointError(
+            f"--pretrained-checkpoint {cfg.pretrained_checkpoint}: holds no checkpoint, "
+            f"and --load {cfg.load} none to resume"
+        )
+    return cfg.pretrained_checkpoint, iteration, True
 
 
 def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
@@ -102,6 +97,7 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
     starting fresh). Collective."""
     cfg = state.cfg.checkpoint
     root, payload, param_state, error, iteration, finetune = cfg.load, None, None, None, None, cfg.finetune
+    schedule_error = None
     # Every file is read and checked before any state changes; every rank hears of any rank's error.
     try:
         root, iteration, finetune = _resolve(cfg)
@@ -114,16 +110,37 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
                 error = optimizer_format_error(root, iteration, payload, optimizer, optimizer_shard)
                 if error is None and uses_distributed_optimizer(optimizer):
                     param_state = read_distributed_optimizer(root, optimizer_shard, optimizer)
+                saved_schedule = payload.get("opt_param_scheduler")
+                if error is None and not isinstance(saved_schedule, dict):
+                    error = (
+                        f"--load {root}: iteration {iteration} holds no learning-rate schedule state; "
+                        "--no-load-optim starts the optimizer and its schedule afresh"
+                    )
+                elif error is None:
+                    mismatch = scheduler.checkpoint_mismatch(saved_schedule)
+                    schedule_error = mismatch and f"--load {root}: iteration {iteration}: {mismatch}"
     except CheckpointError as err:
         error = str(err)
     except Exception as err:  # a config or payload of an unexpected shape: one line, on every rank
         error = f"--load {root}: iteration {iteration} cannot be read ({type(err).__name__}: {err})"
         error = error.splitlines()[0]
     agree(error)
-    # Only once every shard is there and fits: the schedule, the same on every rank.
-    if iteration is not None and cfg.load_optim and not finetune:
-        mismatch = scheduler.checkpoint_mismatch(payload["opt_param_scheduler"])
-        agree(mismatch and f"--load {root}: iteration {iteration}: {mismatch}")
+    # Every rank must have chosen the same checkpoint (each read the tracker itself).
+    choices = [None] * dist.get_world_size()
+    dist.all_gather_object(choices, (root, iteration, finetune))
+    if any(choice != choices[0] for choice in choices):
+        raise CheckpointError(
+            f"--load {cfg.load}: the ranks found different checkpoints ({sorted(set(map(str, choices)))}); "
+            "every rank must see the same checkpoint directory"
+        )
+    # Only once every shard is there and fits: the schedule (the same on every rank).
+    agree(schedule_error)
+    if finetune and root != cfg.load and dist.get_rank() == 0:
+        print(
+            f" no checkpoint found in load directory {cfg.load}; finetuning from the pretrained "
+            f"checkpoint {root}",
+            flush=True,
+        )
     if iteration is None:
         if dist.get_rank() == 0:
             print(f" no checkpoint found in {root}; starting from scratch", flush=True)
@@ -137,6 +154,9 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
                 if param_state is not None:
                     # Offsets skip the bucket padding: any data-parallel size or bucketing takes its shard.
                     optimizer.load_parameter_state_from_dp_zero(param_state)
+                elif "fp32_from_fp16_params" not in payload["optimizer"]:
+                    # Saved by an fp32 run: its weights were its main weights, to the bit.
+                    optimizer.reload_model_params(payload)
                 scheduler.load_state_dict(payload["opt_param_scheduler"])
             if cfg.load_rng:
                 set_rng_state(payload["rng_state"])

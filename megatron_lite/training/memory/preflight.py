@@ -5,8 +5,9 @@
 Builds no world and trains nothing: predicts each pipeline stage's weights, gradients, optimizer state,
 peak activations, the temporaries alive at its peak and so its allocated peak for the layout as given
 (predict/stages.py), prints them beside the device's memory, names the first stage expected to run
-out, and searches the memory levers for the cheapest change that makes every stage fit. Exit 0 when it
-fits, 1 when it does not, 2 on bad input.
+out, and searches the memory levers (levers.py) for the cheapest change that makes every stage fit.
+``--memory-preflight-json FILE`` also writes all of it as JSON (atomically), for CI jobs and notebooks.
+Exit 0 when it fits, 1 when it does not, 2 on bad input.
 
 A stage fits when its predicted allocated peak leaves ``RESERVE_FRACTION`` of the device free. The peak
 counts every tensor the step allocates, temporaries included (the same figure as
@@ -18,128 +19,19 @@ over ``mem-max-allocated``, typically a few percent, more with varying shapes).
 
 from __future__ import annotations
 
-import itertools
+import json
+import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 
-from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
 from megatron_lite.training.config.ranges import RANGES, check_value
 from megatron_lite.training.errors import ConfigError
+from megatron_lite.training.memory.levers import candidate_changes
+from megatron_lite.utils.atomic_io import WriteFailedError, atomic_write_bytes
 
 RESERVE_FRACTION = 0.10
-PREFLIGHT_FLAGS = ("--memory-preflight", "--device-memory-gb")
-
-
-@dataclass(frozen=True)
-class Change:
-    """A set of flags and its rough price in extra step time (a fraction: 0.25 = 25% slower)."""
-
-    flags: tuple[str, ...]
-    cost: float
-    why: str
-
-
-def _recompute_changes(layers_per_chunk: int) -> list[Change]:
-    # Selective recompute re-runs only core attention; full recompute of N of a chunk's layers re-runs
-    # their forward in backward (a forward is about a third of a step).
-    changes = [Change(("--recompute-granularity", "selective"), 0.03, "recompute core attention")]
-    for n in range(1, layers_per_chunk + 1):
-        flags = (
-            "--recompute-granularity",
-            "full",
-            "--recompute-method",
-            "block",
-            "--recompute-num-layers",
-            str(n),
-        )
-        changes.append(Change(flags, 0.33 * n / layers_per_chunk, f"recompute {n} layer(s) per chunk"))
-    return changes
-
-
-def _split_changes(m) -> list[Change]:
-    """Move k layers from the first stage (the most microbatches in flight, and the embedding) to the
-    last (the fewest): its weights, gradients, optimizer state and activations leave stage 0. The last
-    stage then does k more layers of work per microbatch, and 1F1B runs at its slowest stage's pace."""
-    pp = m.pipeline_model_parallel_size
-    split_given = (
-        m.num_layers_in_first_pipeline_stage is not None
-        or m.num_layers_in_last_pipeline_stage is not None
-        or m.account_for_embedding_in_pipeline_split
-        or m.account_for_loss_in_pipeline_split
-        or m.pipeline_model_parallel_layout is not None
-    )
-    if pp == 1 or split_given or m.num_layers % pp:  # only an even split of this depth is moved from
-        return []
-    n = m.num_layers // pp
-    changes = []
-    for k in range(1, n):
-        flags = (
-            "--decoder-first-pipeline-num-layers",
-            str(n - k),
-            "--decoder-last-pipeline-num-layers",
-            str(n + k),
-        )
-        changes.append(Change(flags, k / n, f"{k} layer(s) moved from the first stage to the last"))
-    return changes
-
-
-def candidate_changes(config) -> list[Change]:
-    """Every combination of the levers this layout can still pull, cheapest first."""
-    m = config.model
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    vp = m.virtual_pipeline_model_parallel_size or 1
-    sp = (
-        [None]
-        if m.sequence_parallel or tp == 1
-        else [
-            None,
-            Change(("--sequence-parallel",), 0.0, "sequence parallel: norms and dropout split over tp"),
-        ]
-    )
-    distributed = config.optimizer.use_distributed_optimizer or config.data_parallel_size == 1
-    distopt = (
-        [None]
-        if distributed
-        else [None, Change(("--use-distributed-optimizer",), 0.01, "optimizer state sharded over dp")]
-    )
-    recompute = [None] + (
-        []
-        if m.recompute_granularity == "full"
-        else _recompute_changes(max(map(max, pipeline_layer_counts(m))))
-    )
-    # The last stage's deferred output-layer wgrad buffers: keep one microbatch's, not all of them.
-    deferral = [None]
-    if m.defer_embedding_wgrad_compute and m.wgrad_deferral_limit != 1:
-        why = "defer one microbatch's output-layer wgrad, not every one"
-        deferral.append(Change(("--wgrad-deferral-limit", "1"), 0.02, why))
-    # A deeper pipeline spreads weights and optimizer state over more GPUs: the dearest change.
-    world = config.world_size
-    slots = (
-        m.num_layers
-        + int(m.account_for_embedding_in_pipeline_split)
-        + int(m.account_for_loss_in_pipeline_split)
-    )
-    deeper = [None] + [
-        Change(
-            ("--pipeline-model-parallel-size", str(pp * k), "--nproc-per-node", str(world * k)),
-            float(k - 1),
-            f"{k}x the GPUs",
-        )
-        for k in (2, 4)
-        if slots % (pp * k * vp) == 0
-    ]
-    # Moving layers is a lever of this depth only: a deeper pipeline gets the split as given.
-    split = [(None, None)] + [(c, None) for c in _split_changes(m)] + [(None, c) for c in deeper[1:]]
-    combos = []
-    for parts in itertools.product(deferral, sp, distopt, recompute, split):
-        parts = [*parts[:-1], *parts[-1]]
-        chosen = [c for c in parts if c is not None]
-        if chosen:
-            flags = tuple(f for c in chosen for f in c.flags)
-            combos.append(Change(flags, sum(c.cost for c in chosen), "; ".join(c.why for c in chosen)))
-    return sorted(combos, key=lambda c: (c.cost, len(c.flags)))
+PREFLIGHT_FLAGS = ("--memory-preflight", "--device-memory-gb", "--memory-preflight-json")
 
 
 def _config(argv: list[str]):
@@ -180,8 +72,55 @@ def format_table(predictions, capacity_gb: float) -> str:
     return "\n".join(rows)
 
 
-def preflight(argv: list[str], capacity_gb: float, out=sys.stdout) -> int:
-    """Print the prediction and verdict for ``argv`` (pretrain.py's flags without the preflight's)."""
+def _activation_bytes(p) -> int:
+    """What the table's ``act`` column shows: the peak less the static parts and the temporaries."""
+    return p.peak_bytes - p.weights_bytes - p.grads_bytes - p.optimizer_state_bytes - p.temporaries_bytes
+
+
+def _recommend(argv: list[str], config, capacity_gb: float):
+    """The cheapest change that makes every stage fit, with the predictions under it; (None, None)
+    when no combination of the levers does."""
+    from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
+
+    for change in candidate_changes(config):
+        try:
+            candidate = _config([*argv, *change.flags])
+        except (ConfigError, ValueError, AssertionError):
+            continue
+        after = predict_memory_per_stage(candidate, device_type="cuda")
+        if all(_fits(after, capacity_gb)):
+            return change, after
+    return None, None
+
+
+def preflight_record(predictions, capacity_gb: float, fits: bool, recommendation: str | None) -> dict:
+    """The preflight as data (``--memory-preflight-json``): per stage the predicted allocated peak and
+    its parts, in bytes; the device; the verdict; the flags to add ("" when it fits as given, None when
+    no combination of the levers fits)."""
+    stages = [
+        {
+            "stage": i,
+            "predicted_max_allocated_bytes": p.peak_bytes,
+            "weights_bytes": p.weights_bytes,
+            "grads_bytes": p.grads_bytes,
+            "optimizer_bytes": p.optimizer_state_bytes,
+            "activations_bytes": _activation_bytes(p),
+            "temporaries_bytes": p.temporaries_bytes,
+        }
+        for i, p in enumerate(predictions)
+    ]
+    return {
+        "stages": stages,
+        "device_bytes": int(capacity_gb * 1e9),
+        "reserve_fraction": RESERVE_FRACTION,
+        "fits": fits,
+        "recommendation": recommendation,
+    }
+
+
+def preflight(argv: list[str], capacity_gb: float, out=sys.stdout, json_path: str | None = None) -> int:
+    """Print the prediction and verdict for ``argv`` (pretrain.py's flags without the preflight's);
+    with ``json_path``, also write them there (atomically)."""
     from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 
     config = _config(argv)
@@ -208,67 +147,87 @@ def preflight(argv: list[str], capacity_gb: float, out=sys.stdout) -> int:
             f" verdict: fits; the peak is stage {peak}'s {_gb(predictions[peak].peak_bytes):.2f} GB",
             file=out,
         )
-        return 0
-    failing = [i for i, ok in enumerate(fits) if not ok]
-    first = max(failing, key=lambda i: (predictions[i].peak_bytes, -i))
-    print(
-        f" verdict: does not fit: stage {first} runs out first (predicted {_gb(predictions[first].peak_bytes):.2f}"
-        f" GB > {usable:g} GB); stages that do not fit: {', '.join(map(str, failing))}",
-        file=out,
-    )
-    for change in candidate_changes(config):
-        try:
-            candidate = _config([*argv, *change.flags])
-        except (ConfigError, ValueError, AssertionError):
-            continue
-        after = predict_memory_per_stage(candidate, device_type="cuda")
-        if all(_fits(after, capacity_gb)):
+        recommendation = ""
+    else:
+        failing = [i for i, ok in enumerate(fits) if not ok]
+        first = max(failing, key=lambda i: (predictions[i].peak_bytes, -i))
+        print(
+            f" verdict: does not fit: stage {first} runs out first (predicted "
+            f"{_gb(predictions[first].peak_bytes):.2f} GB > {usable:g} GB); stages that do not fit: "
+            f"{', '.join(map(str, failing))}",
+            file=out,
+        )
+        change, after = _recommend(argv, config, capacity_gb)
+        if change is None:
+            recommendation = None
+            print(
+                " no combination of the memory levers makes every stage fit: a smaller micro-batch or model",
+                file=out,
+            )
+        else:
+            recommendation = " ".join(change.flags)
             peak = max(range(len(after)), key=lambda i: after[i].peak_bytes)
             print(
-                f" cheapest change that fits every stage: {' '.join(change.flags)}  ({change.why}; about "
+                f" cheapest change that fits every stage: {recommendation}  ({change.why}; about "
                 f"{change.cost:.0%} more time per step; predicted peak {_gb(after[peak].peak_bytes):.2f} GB "
                 f"on stage {peak})",
                 file=out,
             )
-            return 1
-    print(
-        " no combination of the memory levers makes every stage fit: a smaller micro-batch or model", file=out
-    )
-    return 1
+    if json_path is not None:
+        record = preflight_record(predictions, capacity_gb, all(fits), recommendation)
+        text = (json.dumps(record, indent=2) + "\n").encode()
+        atomic_write_bytes(json_path, lambda f: f.write(text), needed=len(text))
+        print(f" wrote {json_path}", file=out)
+    return 0 if all(fits) else 1
+
+
+def _json_path(value: str | None) -> str:
+    """--memory-preflight-json's FILE, refused before anything runs when it cannot be written there."""
+    if not value or value.startswith("-"):
+        raise ConfigError("--memory-preflight-json", "needs a FILE to write the preflight to")
+    directory = os.path.dirname(os.path.abspath(value))
+    if os.path.isdir(value) or not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise ConfigError(
+            "--memory-preflight-json", f"cannot write {value}: {directory} is not a writable directory"
+        )
+    return value
 
 
 def main(argv: list[str]) -> int:
     """pretrain.py's entry for --memory-preflight: bad input is one line and exit 2."""
-    rest, capacity = [], None
+    rest, capacity, json_path = [], None, None
     it = iter(argv)
-    for arg in it:
-        if arg == "--memory-preflight":
-            continue
-        if arg == "--device-memory-gb" or arg.startswith("--device-memory-gb="):
-            value = arg.split("=", 1)[1] if "=" in arg else next(it, None)
-            try:
-                capacity = float(value)
-                check_value("--device-memory-gb", capacity)
-            except (TypeError, ValueError):  # ConfigError is a ValueError
-                print(
-                    f"pretrain.py: error: --device-memory-gb: must be {RANGES['--device-memory-gb']} (GB), "
-                    f"got {value!r}",
-                    file=sys.stderr,
-                )
-                return 2
-            continue
-        rest.append(arg)
-    if capacity is None:
-        print(
-            "pretrain.py: error: --memory-preflight: needs --device-memory-gb (the GPU's memory)",
-            file=sys.stderr,
-        )
-        return 2
-    start = time.perf_counter()
     try:
-        code = preflight(rest, capacity)
+        for arg in it:
+            if arg == "--memory-preflight":
+                continue
+            if arg == "--memory-preflight-json" or arg.startswith("--memory-preflight-json="):
+                json_path = _json_path(arg.split("=", 1)[1] if "=" in arg else next(it, None))
+                continue
+            if arg == "--device-memory-gb" or arg.startswith("--device-memory-gb="):
+                value = arg.split("=", 1)[1] if "=" in arg else next(it, None)
+                try:
+                    capacity = float(value)
+                    check_value("--device-memory-gb", capacity)
+                except (TypeError, ValueError):  # ConfigError is a ValueError
+                    raise ConfigError(
+                        "--device-memory-gb", f"must be {RANGES['--device-memory-gb']} (GB), got {value!r}"
+                    ) from None
+                continue
+            rest.append(arg)
+        if capacity is None:
+            raise ConfigError("--memory-preflight", "needs --device-memory-gb (the GPU's memory)")
     except ConfigError as err:
         print(f"pretrain.py: error: {err}", file=sys.stderr)
         return 2
+    start = time.perf_counter()
+    try:
+        code = preflight(rest, capacity, json_path=json_path)
+    except ConfigError as err:
+        print(f"pretrain.py: error: {err}", file=sys.stderr)
+        return 2
+    except WriteFailedError as err:
+        print(f"pretrain.py: error: {err}", file=sys.stderr)
+        return 1
     print(f" (preflight took {time.perf_counter() - start:.2f} s)")
     return code

@@ -1,0 +1,121 @@
+"""The memory levers the preflight may pull, and what each costs: sequence parallelism, the
+distributed optimizer, recompute (selective, or full over 1..N layers per chunk), moving layers from
+the first stage to the last, deferring one microbatch's output-layer wgrad, and a deeper pipeline.
+``candidate_changes`` lists every combination this layout can still pull, cheapest first."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
+
+
+@dataclass(frozen=True)
+class Change:
+    """A set of flags and its rough price in extra step time (a fraction: 0.25 = 25% slower)."""
+
+    flags: tuple[str, ...]
+    cost: float
+    why: str
+
+
+def _recompute_changes(layers_per_chunk: int) -> list[Change]:
+    # Selective recompute re-runs only core attention; full recompute of N of a chunk's layers re-runs
+    # their forward in backward (a forward is about a third of a step).
+    changes = [Change(("--recompute-granularity", "selective"), 0.03, "recompute core attention")]
+    for n in range(1, layers_per_chunk + 1):
+        flags = (
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            str(n),
+        )
+        changes.append(Change(flags, 0.33 * n / layers_per_chunk, f"recompute {n} layer(s) per chunk"))
+    return changes
+
+
+def _split_changes(m) -> list[Change]:
+    """Move k layers from the first stage (the most microbatches in flight, and the embedding) to the
+    last (the fewest): its weights, gradients, optimizer state and activations leave stage 0. The last
+    stage then does k more layers of work per microbatch, and 1F1B runs at its slowest stage's pace."""
+    pp = m.pipeline_model_parallel_size
+    split_given = (
+        m.num_layers_in_first_pipeline_stage is not None
+        or m.num_layers_in_last_pipeline_stage is not None
+        or m.account_for_embedding_in_pipeline_split
+        or m.account_for_loss_in_pipeline_split
+        or m.pipeline_model_parallel_layout is not None
+    )
+    if pp == 1 or split_given or m.num_layers % pp:  # only an even split of this depth is moved from
+        return []
+    n = m.num_layers // pp
+    changes = []
+    for k in range(1, n):
+        flags = (
+            "--decoder-first-pipeline-num-layers",
+            str(n - k),
+            "--decoder-last-pipeline-num-layers",
+            str(n + k),
+        )
+        changes.append(Change(flags, k / n, f"{k} layer(s) moved from the first stage to the last"))
+    return changes
+
+
+def candidate_changes(config) -> list[Change]:
+    """Every combination of the levers this layout can still pull, cheapest first."""
+    m = config.model
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    vp = m.virtual_pipeline_model_parallel_size or 1
+    sp = (
+        [None]
+        if m.sequence_parallel or tp == 1
+        else [
+            None,
+            Change(("--sequence-parallel",), 0.0, "sequence parallel: norms and dropout split over tp"),
+        ]
+    )
+    distributed = config.optimizer.use_distributed_optimizer or config.data_parallel_size == 1
+    distopt = (
+        [None]
+        if distributed
+        else [None, Change(("--use-distributed-optimizer",), 0.01, "optimizer state sharded over dp")]
+    )
+    recompute = [None] + (
+        []
+        if m.recompute_granularity == "full"
+        else _recompute_changes(max(map(max, pipeline_layer_counts(m))))
+    )
+    # The last stage's deferred output-layer wgrad buffers: keep one microbatch's, not all of them.
+    deferral = [None]
+    if m.defer_embedding_wgrad_compute and m.wgrad_deferral_limit != 1:
+        why = "defer one microbatch's output-layer wgrad, not every one"
+        deferral.append(Change(("--wgrad-deferral-limit", "1"), 0.02, why))
+    # A deeper pipeline spreads weights and optimizer state over more GPUs: the dearest change.
+    world = config.world_size
+    slots = (
+        m.num_layers
+        + int(m.account_for_embedding_in_pipeline_split)
+        + int(m.account_for_loss_in_pipeline_split)
+    )
+    deeper = [None] + [
+        Change(
+            ("--pipeline-model-parallel-size", str(pp * k), "--nproc-per-node", str(world * k)),
+            float(k - 1),
+            f"{k}x the GPUs",
+        )
+        for k in (2, 4)
+        if slots % (pp * k * vp) == 0
+    ]
+    # Moving layers is a lever of this depth only: a deeper pipeline gets the split as given.
+    split = [(None, None)] + [(c, None) for c in _split_changes(m)] + [(None, c) for c in deeper[1:]]
+    combos = []
+    for parts in itertools.product(deferral, sp, distopt, recompute, split):
+        parts = [*parts[:-1], *parts[-1]]
+        chosen = [c for c in parts if c is not None]
+        if chosen:
+            flags = tuple(f for c in chosen for f in c.flags)
+            combos.append(Change(flags, sum(c.cost for c in chosen), "; ".join(c.why for c in chosen)))
+    return sorted(combos, key=lambda c: (c.cost, len(c.flags)))
