@@ -2,7 +2,7 @@
 says why the value means something) or one error line, exit 2, no traceback and no file written.
 
 The flags come from the help text itself, so a numeric flag added later is walked here too (and must
-get a range in flag_ranges.RANGES first).
+get a range in training/config/ranges.py's RANGES first).
 """
 
 from __future__ import annotations

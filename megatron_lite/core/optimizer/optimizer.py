@@ -139,11 +139,11 @@ class MegatronOptimizer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """AdamW's state, and the fp32 main weights when ``state`` holds them. A state saved by an fp32
+        run has none (its weights were its main weights): the caller then calls reload_model_params."""
         self.optimizer.load_state_dict(state["optimizer"])
         if "fp32_from_fp16_params" in state:
             with torch.no_grad():
                 for p, m, saved in zip(self.params, self.masters, state["fp32_from_fp16_params"]):
                     m.copy_(saved)
                     p.copy_(saved)
-        else:  # saved by an fp32 run: its weights (loaded just before) were its main weights
-            self.reload_model_params()

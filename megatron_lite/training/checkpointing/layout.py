@@ -10,8 +10,8 @@ import os
 from megatron_lite.core import parallel_state
 from megatron_lite.training.checkpointing.distrib_optim import get_distributed_optimizer_checkpoint_name
 from megatron_lite.training.checkpointing.safety import CheckpointError
-from megatron_lite.training.utils.checkpoint_utils import TRACKER
 
+TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 CHECKPOINT_VERSION = 3.0
 

@@ -80,9 +80,9 @@ def _resolve(cfg) -> tuple[str | None, int | None, bool]:
     iterations but no tracker is refused, never passed over for the pretrained weights."""
     if cfg.ckpt_step is not None:
         return cfg.load, _chosen_iteration(cfg.load, cfg.ckpt_step), cfg.finetune
-    resumable = cfg.load is not None and read_tracker(cfg.load) is not None
-    if cfg.pretrained_checkpoint is None or resumable:
-        return cfg.load, read_tracker(cfg.load), cfg.finetune
+    iteration = None if cfg.load is None else read_tracker(cfg.load)
+    if cfg.pretrained_checkpoint is None or iteration is not None:
+        return cfg.load, iteration, cfg.finetune
     iteration = read_tracker(cfg.pretrained_checkpoint, flag="--pretrained-checkpoint")
     if iteration is None:
         raise CheckpointError(
@@ -125,16 +125,19 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
         error = f"--load {root}: iteration {iteration} cannot be read ({type(err).__name__}: {err})"
         error = error.splitlines()[0]
     agree(error)
-    # Every rank must have chosen the same checkpoint (each read the tracker itself).
-    choices = [None] * dist.get_world_size()
-    dist.all_gather_object(choices, (root, iteration, finetune))
+    # One more exchange: each rank's choice of checkpoint (each read the tracker itself) must be the
+    # same; then, every shard being there and fitting, the schedule check (the same on every rank).
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, ((root, iteration, finetune), schedule_error))
+    choices = [choice for choice, _ in seen]
     if any(choice != choices[0] for choice in choices):
         raise CheckpointError(
             f"--load {cfg.load}: the ranks found different checkpoints ({sorted(set(map(str, choices)))}); "
             "every rank must see the same checkpoint directory"
         )
-    # Only once every shard is there and fits: the schedule (the same on every rank).
-    agree(schedule_error)
+    schedule_error = next((e for _, e in seen if e), None)
+    if schedule_error:
+        raise CheckpointError(schedule_error)
     if finetune and root != cfg.load and dist.get_rank() == 0:
         print(
             f" no checkpoint found in load directory {cfg.load}; finetuning from the pretrained "

@@ -4,7 +4,7 @@ Sections and names mirror Megatron-Bridge's ``megatron.bridge.training.config`` 
 ``model``, ``optimizer``, ``scheduler``, ``dataset``, ``logger``, ``tokenizer``, ``checkpoint``,
 ``dist``, ``ddp``, ``rng``, ``validation``, ...). :meth:`ConfigContainer.validate` finalizes every
 section, derives the data-parallel size and the scheduler's steps, runs upstream's checks and then
-megatron_lite's (``config_checks``, ``layout_checks`` and the others). It runs on every rank before
+megatron_lite's (``validate/``: general, data, layout, architecture, activation levers). It runs on every rank before
 any collective, and in the launcher before any worker starts; every failure is a
 :class:`ConfigError`, which is also the ``AssertionError`` / ``ValueError`` upstream's checks raise.
 """

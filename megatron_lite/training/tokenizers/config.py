@@ -2,7 +2,7 @@
 
 ``build_tokenizer`` (tokenizers/tokenizer.py) builds it. Mock data is already ids and needs none;
 real data needs one for its end-of-document id, and the model's vocabulary follows it
-(training/data_checks.resolve_vocab_size).
+(training/config/validate/data.py: resolve_vocab_size).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Upstream's checks (in ConfigContainer.validate and each section's finalize) say whether a config is
 coherent; these say whether megatron_lite can run it: features not built yet are refused by name
-(the layout's divisibility is layout_checks'). Each failure is one ConfigError naming the flag and the fix. Pure:
+(the layout's divisibility is validate/layout.py's). Each failure is one ConfigError naming the flag and the fix. Pure:
 they read the config (and /proc/cpuinfo: --bf16 on a CPU without bf16 units is a warning, which
 parse_args prints as one note) and write nothing.
 """
