@@ -12,6 +12,14 @@ import time
 
 from dist_helpers import REPO, run_pretrain
 
+# Recomputation already full, one rank per stage, 16384 learned position rows on the first stage.
+FIRST_STAGE_HEAVY = (
+    "--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
+    "--max-position-embeddings 16384 --vocab-size 1024 --micro-batch-size 4 --global-batch-size 32 "
+    "--pipeline-model-parallel-size 4 --nproc-per-node 4 --recompute-granularity full "
+    "--recompute-method uniform --recompute-num-layers 1"
+).split()
+
 
 def readme_cluster_argv() -> list[str]:
     """The flags of the README's torchrun example (32 layers, hidden 4096, tp 4 x pp 4, 16 ranks)."""
@@ -86,12 +94,7 @@ def test_a_first_stage_heavy_layout_is_fixed_by_moving_layers_to_the_last_stage(
     twice the GPUs."""
     from megatron_lite.training.memory.preflight import preflight
 
-    argv = (
-        "--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
-        "--max-position-embeddings 16384 --vocab-size 1024 --micro-batch-size 4 --global-batch-size 32 "
-        "--pipeline-model-parallel-size 4 --nproc-per-node 4 --recompute-granularity full "
-        "--recompute-method uniform --recompute-num-layers 1"
-    ).split()
+    argv = FIRST_STAGE_HEAVY
     out = io.StringIO()
     assert preflight(argv, 100, out) == 0
     totals = _table(out.getvalue())

@@ -41,6 +41,30 @@ def seeded_init(seed: int, key: str):
         torch.random.set_rng_state(state)
 
 
+# The backend the preflight's dry run has its fake world (torch.distributed's "fake" backend) stand
+# for, in the code paths that differ by backend; None outside a dry run.
+_FAKE_WORLD_STANDS_FOR: str | None = None
+
+
+@contextmanager
+def fake_world_stands_for(backend: str):
+    """Within: a collective over a fake process group takes ``backend``'s code path ("nccl" for a GPU
+    job, "gloo" for a CPU one); see :func:`collective_backend`."""
+    global _FAKE_WORLD_STANDS_FOR
+    before, _FAKE_WORLD_STANDS_FOR = _FAKE_WORLD_STANDS_FOR, backend
+    try:
+        yield
+    finally:
+        _FAKE_WORLD_STANDS_FOR = before
+
+
+def collective_backend(group=None) -> str:
+    """The backend whose code path a collective over ``group`` takes: the group's own, or for a fake
+    process group the one the preflight's dry run has it stand for."""
+    backend = str(dist.get_backend(group)).lower()
+    return (_FAKE_WORLD_STANDS_FOR or backend) if backend == "fake" else backend
+
+
 def get_collective_device(group=None) -> torch.device:
     """The device a tensor must live on for a collective over ``group``: the current CUDA device for
     NCCL, the CPU otherwise (gloo, or an object that is no process group, such as a test stand-in)."""

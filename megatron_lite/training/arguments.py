@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="Also write the preflight's per-stage bytes, verdict and recommendation to FILE (JSON).",
     )
+    preflight.add_argument(
+        "--memory-dry-run",
+        action="store_true",
+        help="Preflight: also run each stage's real code once at full size on fake tensors and show its "
+        "measured allocated peak beside the prediction.",
+    )
     # As upstream, memory history is independent of --profile.
     profiling.add_argument(
         "--record-memory-history",
@@ -136,6 +142,8 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
             setattr(getattr(config, section), name, value)
     dataset_from_args(args, config)
     config.profiling = _profiling_from_args(args)
+    if args.memory_dry_run:
+        raise ConfigError("--memory-dry-run", "is part of the preflight: give it with --memory-preflight")
     if args.memory_preflight or args.device_memory_gb is not None or args.memory_preflight_json is not None:
         raise ConfigError(
             "--memory-preflight", "is a mode of pretrain.py: give it with --device-memory-gb GB"

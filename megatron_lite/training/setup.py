@@ -107,10 +107,12 @@ def _no_sync_all(model):
         yield
 
 
-def setup(state: GlobalState) -> SetupOutput:
-    """Collective over the world (group creation, checkpoint load)."""
-    config = state.cfg
-    pg_collection = initialize_megatron(config)
+def build_model_and_optimizer(
+    config: ConfigContainer, pg_collection: ProcessGroupCollection, *, foreach: bool | None = None
+):
+    """This rank's model chunks, each wrapped in DDP, and their optimizer (the memory trackers told
+    what they are). No collective: the preflight's dry run calls it under fake tensors and a fake
+    process group, so that what it measures is this code (``foreach``: AdamW's, see MegatronOptimizer)."""
     model_config = config.model
     model_config._pg_collection = pg_collection
     model_config.init_seed = config.rng.seed
@@ -120,7 +122,9 @@ def setup(state: GlobalState) -> SetupOutput:
         # This stage's part: first / last stage (and chunk) decided from the pp group and vp_stage.
         module = model_config.provide(vp_stage=vp_stage)
         # Weights are drawn on the CPU (layout-independent init), then live where the collectives run.
-        module.to(get_collective_device())
+        device = get_collective_device()
+        if any(p.device != device for p in module.parameters()):  # (fake tensors cannot be moved in place)
+            module.to(device)
         # Context-parallel ranks hold the same weights and see different tokens: average over both.
         model.append(
             DistributedDataParallel(model_config, module, dp_group=pg_collection.dp_cp, ddp_config=config.ddp)
@@ -137,15 +141,28 @@ def setup(state: GlobalState) -> SetupOutput:
             model_parallel_group=pg_collection.mp,
             tp_group=pg_collection.tp,
             dp_group=pg_collection.dp_cp,
+            foreach=foreach,
         )
     else:
         optimizer = MegatronOptimizer(
-            config.optimizer, model, model_parallel_group=pg_collection.mp, tp_group=pg_collection.tp
+            config.optimizer,
+            model,
+            model_parallel_group=pg_collection.mp,
+            tp_group=pg_collection.tp,
+            foreach=foreach,
         )
     OPTIMIZER_STATE_MEMORY.track(optimizer)  # the memory report measures its state,
     MODEL_MEMORY.track(model)  # and the chunks' weights and gradient buffers
     # What the allocated-bytes tracker counts as static when it splits its peak into parts.
     ALLOCATED_MEMORY.track_static(partial(static_tensors, model, optimizer))
+    return model, optimizer
+
+
+def setup(state: GlobalState) -> SetupOutput:
+    """Collective over the world (group creation, checkpoint load)."""
+    config = state.cfg
+    pg_collection = initialize_megatron(config)
+    model, optimizer = build_model_and_optimizer(config, pg_collection)
     scheduler = get_optimizer_param_scheduler(config, optimizer)
     if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
         checkpointing.load_checkpoint(state, model, optimizer, scheduler, pg_collection)

@@ -6,6 +6,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 
 def get_grad_norm_fp32(
@@ -27,6 +28,8 @@ def get_grad_norm_fp32(
     for group in (data_parallel_group, model_parallel_group):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
+    if is_fake(total):
+        return 1.0  # the preflight's dry run: shapes without values (a norm to read, not a real one)
     return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
 
 

@@ -70,6 +70,7 @@ class DistributedOptimizer:
         model_parallel_group=None,
         tp_group=None,
         dp_group=None,
+        foreach: bool | None = None,
     ):
         self.config = config
         self.model_chunks = model_chunks
@@ -95,6 +96,7 @@ class DistributedOptimizer:
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
+            foreach=foreach,
         )
 
     @property

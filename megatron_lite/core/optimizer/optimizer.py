@@ -36,7 +36,11 @@ def checkpoint_tensors_by_param(model_chunks, state_dict: dict) -> dict:
 
 
 class MegatronOptimizer:
-    def __init__(self, config: OptimizerConfig, model_chunks, *, model_parallel_group=None, tp_group=None):
+    def __init__(
+        self, config: OptimizerConfig, model_chunks, *, model_parallel_group=None, tp_group=None, foreach=None
+    ):
+        """``foreach``: AdamW's implementation, None for PyTorch's choice (the per-tensor loop on the
+        CPU, foreach on CUDA); the preflight's dry run of a GPU job sets True, as CUDA would."""
         self.config = config
         self.model_chunks = model_chunks
         self.model_parallel_group = model_parallel_group
@@ -59,6 +63,7 @@ class MegatronOptimizer:
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
+            foreach=foreach,
         )
 
     @property

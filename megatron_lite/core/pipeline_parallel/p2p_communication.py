@@ -65,10 +65,11 @@ class P2PCommunicator:
         )
         # gloo sends still in flight, each with the tensor it sends (kept alive until complete).
         self._pending_sends: list[tuple[object, torch.Tensor]] = []
+        # gloo's sends wait for the peer (see the module's docstring); NCCL's, and a fake world's (the
+        # preflight's dry run, which stands for a GPU job), are batched and complete with the exchange.
+        self._defers_sends = dist.get_backend(pp_group) == "gloo"
         self._shared_memory = (
-            shared_memory_channels(pp_group, (self.next_rank, self.prev_rank))
-            if self.device.type == "cpu"
-            else None
+            shared_memory_channels(pp_group, (self.next_rank, self.prev_rank)) if self._defers_sends else None
         )
 
     def wait_for_sends(self) -> None:
@@ -141,7 +142,7 @@ class P2PCommunicator:
                     shm.outgoing[op.peer].send(op.tensor, op.peer)
                 else:
                     shm.incoming[op.peer].recv(op.tensor, op.peer)
-        elif ops and self.device.type != "cpu":
+        elif ops and not getattr(self, "_defers_sends", self.device.type == "cpu"):
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
         elif ops:

@@ -254,13 +254,10 @@ def shared_memory_channels(pp_group, neighbours) -> SharedMemoryChannels | None:
     """
     if pp_group in _setups:
         return _setups[pp_group]
+    if dist.get_backend(pp_group) != "gloo":
+        return None  # NCCL, or the preflight's fake world: the same backend on every rank, no collective
     peers = sorted(set(neighbours) - {dist.get_rank()})
-    usable = (
-        bool(peers)
-        and dist.get_backend(pp_group) == "gloo"
-        and os.environ.get(ENV_SWITCH, "1") != "0"
-        and hasattr(os, "mkfifo")
-    )
+    usable = bool(peers) and os.environ.get(ENV_SWITCH, "1") != "0" and hasattr(os, "mkfifo")
     # Every rank of the group must take the same path through the collectives below.
     agreed = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(agreed, (usable, uuid.uuid4().hex), group=pp_group)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 
 def accumulates_into_main_grad(weight: torch.Tensor) -> bool:
@@ -43,7 +44,10 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (ids,) = ctx.saved_tensors
         main_grad = ctx.weight.main_grad
-        rows, position = torch.unique(ids.reshape(-1), return_inverse=True)
+        if is_fake(ids):  # the preflight's dry run has no ids to compare: all distinct, the most bytes
+            rows, position = torch.empty_like(ids.reshape(-1)), torch.empty_like(ids.reshape(-1))
+        else:
+            rows, position = torch.unique(ids.reshape(-1), return_inverse=True)
         # Per distinct id, its tokens' rows summed from zero in token order: the dense kernel's order.
         summed = grad_output.new_zeros(rows.numel(), grad_output.shape[-1])
         summed.index_add_(0, position, grad_output.reshape(-1, grad_output.shape[-1]))

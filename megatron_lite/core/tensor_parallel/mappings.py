@@ -12,7 +12,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_lite.core.utils import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
+from megatron_lite.core.utils import (
+    collective_backend,
+    get_pg_rank,
+    get_pg_size,
+    get_tensor_model_parallel_group_if_none,
+)
 
 
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -49,15 +54,19 @@ def _gather(x: torch.Tensor, group, dim: int, split_sizes: list[int] | None = No
     return torch.cat(parts, dim=dim)
 
 
+# PyTorch's newer name for it (reduce_scatter_tensor warns that it is deprecated).
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _reduce_scatter(x: torch.Tensor, group, dim: int, split_sizes: list[int] | None = None) -> torch.Tensor:
     size = get_pg_size(group)
     if size == 1:
         return x
     # An all-reduce then this rank's slice: the same sums as reduce-scatter, and gloo (CPU) has no
     # reduce_scatter. NCCL takes the direct path.
-    if split_sizes is None and str(dist.get_backend(group)).lower() == "nccl" and dim == 0:
+    if split_sizes is None and collective_backend(group) == "nccl" and dim == 0:
         out = x.new_empty((x.size(0) // size, *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        _reduce_scatter_single(out, x.contiguous(), group=group)
         return out
     total = _reduce(x.clone(), group)
     if split_sizes is None:

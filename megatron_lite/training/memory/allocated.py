@@ -79,6 +79,14 @@ class AllocatedMemoryTracker:
         self.static_source = None  # a callable returning the tensors that count as static
         self._live: dict[int, list] = {}  # storage id -> [bytes, weak reference, static]
         self._lock = threading.RLock()  # a weak-reference callback may run in another thread
+        self.storage_device = "cpu"  # whose storages count: "meta" for fake tensors' (the dry run)
+
+    def reset(self, storage_device: str = "cpu") -> None:
+        """Forget everything and count ``storage_device``'s storages from now on: the preflight's dry
+        run measures one stage after another in one process, with fake tensors (``meta`` storages)."""
+        with self._lock:
+            self.__init__(self.saved_activations)
+            self.storage_device = storage_device
 
     # Registration -------------------------------------------------------------------------------
     def _forget(self, key: int) -> None:
@@ -90,7 +98,7 @@ class AllocatedMemoryTracker:
                     self.static_bytes -= entry[0]
 
     def _add(self, storage: torch.UntypedStorage, static: bool = False) -> None:
-        if storage.device.type != "cpu" or not storage.resizable():
+        if storage.device.type != self.storage_device or not storage.resizable():
             return  # not the CPU allocator's bytes (shared memory, numpy)
         key, nbytes = storage._cdata, storage.nbytes()
         with self._lock:

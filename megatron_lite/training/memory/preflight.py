@@ -31,7 +31,7 @@ from megatron_lite.training.memory.levers import candidate_changes
 from megatron_lite.utils.atomic_io import WriteFailedError, atomic_write_bytes
 
 RESERVE_FRACTION = 0.10
-PREFLIGHT_FLAGS = ("--memory-preflight", "--device-memory-gb", "--memory-preflight-json")
+PREFLIGHT_FLAGS = ("--memory-preflight", "--device-memory-gb", "--memory-preflight-json", "--memory-dry-run")
 
 
 def _config(argv: list[str]):
@@ -46,17 +46,26 @@ def _gb(num_bytes: float) -> float:
     return num_bytes / 1e9
 
 
-def _fits(predictions, capacity_gb: float) -> list[bool]:
-    return [_gb(p.peak_bytes) <= capacity_gb * (1 - RESERVE_FRACTION) for p in predictions]
+def _fits(predictions, capacity_gb: float, dry=None) -> list[bool]:
+    """Per stage: whether its peak (the larger of the prediction and the dry run's measurement, when
+    there is one) leaves the reserve free."""
+    peaks = [
+        max(p.peak_bytes, d.max_allocated_bytes if d else 0) for p, d in zip(predictions, dry or [None] * 99)
+    ]
+    return [_gb(peak) <= capacity_gb * (1 - RESERVE_FRACTION) for peak in peaks]
 
 
-def format_table(predictions, capacity_gb: float) -> str:
+def format_table(predictions, capacity_gb: float, dry=None) -> str:
     """Per stage, in GB (3 significant digits): the static parts, the saved activations and the
-    temporaries at the predicted peak, the peak, and the device's headroom above it."""
+    temporaries at the predicted peak, the peak, the device's headroom above it, and with ``dry``
+    (the dry run's StageDryRun list) the dry run's measured peak and its difference from the prediction."""
     from megatron_lite.training.memory.table import three_digits
 
-    columns = ("weights", "grads", "optim", "act", "temp", "peak", "headroom")
-    rows = [f"{'stage':>5}" + "".join(f"{c:>9}" for c in columns) + "   (GB, predicted)"]
+    columns = ("weights", "grads", "optim", "act", "temp", "peak", "headroom") + (
+        ("dry run", "diff%") if dry else ()
+    )
+    title = "   (GB; predicted" + ("; dry run: measured on fake tensors)" if dry else ")")
+    rows = [f"{'stage':>5}" + "".join(f"{c:>9}" for c in columns) + title]
     for i, p in enumerate(predictions):
         act = p.peak_bytes - p.weights_bytes - p.grads_bytes - p.optimizer_state_bytes - p.temporaries_bytes
         values = (
@@ -68,6 +77,9 @@ def format_table(predictions, capacity_gb: float) -> str:
             p.peak_bytes,
         )
         cells = [three_digits(_gb(v)) for v in values] + [three_digits(capacity_gb - _gb(p.peak_bytes))]
+        if dry:
+            measured = dry[i].max_allocated_bytes
+            cells += [three_digits(_gb(measured)), f"{100 * (p.peak_bytes / measured - 1):+.1f}"]
         rows.append(f"{i:>5}" + "".join(f"{c:>9}" for c in cells))
     return "\n".join(rows)
 
@@ -93,14 +105,17 @@ def _recommend(argv: list[str], config, capacity_gb: float):
     return None, None
 
 
-def preflight_record(predictions, capacity_gb: float, fits: bool, recommendation: str | None) -> dict:
+def preflight_record(
+    predictions, capacity_gb: float, fits: bool, recommendation: str | None, dry=None
+) -> dict:
     """The preflight as data (``--memory-preflight-json``): per stage the predicted allocated peak and
-    its parts, in bytes; the device; the verdict; the flags to add ("" when it fits as given, None when
-    no combination of the levers fits)."""
+    its parts, in bytes, and with ``dry`` the dry run's measured peak; the device; the verdict; the
+    flags to add ("" when it fits as given, None when no combination of the levers fits)."""
     stages = [
         {
             "stage": i,
             "predicted_max_allocated_bytes": p.peak_bytes,
+            **({"dry_run_max_allocated_bytes": dry[i].max_allocated_bytes} if dry else {}),
             "weights_bytes": p.weights_bytes,
             "grads_bytes": p.grads_bytes,
             "optimizer_bytes": p.optimizer_state_bytes,
@@ -118,9 +133,56 @@ def preflight_record(predictions, capacity_gb: float, fits: bool, recommendation
     }
 
 
-def preflight(argv: list[str], capacity_gb: float, out=sys.stdout, json_path: str | None = None) -> int:
+def _dry_run(config, out, what: str):
+    """The dry run of ``config``'s stages, with its time and what it leaves out, on ``out``."""
+    from megatron_lite.training.memory.dry_run import NOT_SIMULATED, dry_run_microbatches, dry_run_stages
+
+    start = time.perf_counter()
+    count = dry_run_microbatches(config)
+    print(
+        f" dry run of {what}: each stage's real code on fake tensors in a fake world of "
+        f"{config.world_size} ranks, {count} of {config.num_microbatches} microbatches (the rest repeat "
+        "the steady state)",
+        file=out,
+        flush=True,
+    )
+    dry = dry_run_stages(config, device_type="cuda", out=out)
+    measured = len({d.measured_as for d in dry})
+    print(
+        f" dry run took {time.perf_counter() - start:.1f} s ({measured} stages measured); {NOT_SIMULATED}",
+        file=out,
+    )
+    return dry
+
+
+def _verdict(predictions, capacity_gb: float, dry, out) -> list[bool]:
+    fits = _fits(predictions, capacity_gb, dry)
+    peaks = [
+        max(p.peak_bytes, d.max_allocated_bytes if dry else 0)
+        for p, d in zip(predictions, dry or predictions)
+    ]
+    usable = capacity_gb * (1 - RESERVE_FRACTION)
+    which = "predicted or dry run, the larger" if dry else "predicted"
+    if all(fits):
+        peak = max(range(len(peaks)), key=lambda i: peaks[i])
+        print(f" verdict: fits; the peak is stage {peak}'s {_gb(peaks[peak]):.2f} GB ({which})", file=out)
+    else:
+        failing = [i for i, ok in enumerate(fits) if not ok]
+        first = max(failing, key=lambda i: (peaks[i], -i))
+        print(
+            f" verdict: does not fit: stage {first} runs out first ({which} {_gb(peaks[first]):.2f} GB > "
+            f"{usable:g} GB); stages that do not fit: {', '.join(map(str, failing))}",
+            file=out,
+        )
+    return fits
+
+
+def preflight(
+    argv: list[str], capacity_gb: float, out=sys.stdout, json_path: str | None = None, dry_run: bool = False
+) -> int:
     """Print the prediction and verdict for ``argv`` (pretrain.py's flags without the preflight's);
-    with ``json_path``, also write them there (atomically)."""
+    with ``dry_run``, also each stage's dry run (dry_run.py), and confirm the recommended change with
+    one; with ``json_path``, also write them there (atomically)."""
     from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 
     config = _config(argv)
@@ -132,34 +194,20 @@ def preflight(argv: list[str], capacity_gb: float, out=sys.stdout, json_path: st
         f"{m.virtual_pipeline_model_parallel_size or 1}, {config.num_microbatches} microbatches of "
         f"{config.train.micro_batch_size}"
     )
+    dry = _dry_run(config, out, "the job as given") if dry_run else None
     print(f" memory preflight ({layout}; a prediction: no world built, nothing trained)", file=out)
-    print(format_table(predictions, capacity_gb), file=out)
+    print(format_table(predictions, capacity_gb, dry), file=out)
     usable = capacity_gb * (1 - RESERVE_FRACTION)
     print(
         f" device: {capacity_gb:g} GB, of which {usable:g} GB for the predicted tensors "
         f"({RESERVE_FRACTION:.0%} kept for the CUDA context, NCCL buffers, the allocator's rounding and fragmentation)",
         file=out,
     )
-    fits = _fits(predictions, capacity_gb)
-    if all(fits):
-        peak = max(range(len(predictions)), key=lambda i: predictions[i].peak_bytes)
-        print(
-            f" verdict: fits; the peak is stage {peak}'s {_gb(predictions[peak].peak_bytes):.2f} GB",
-            file=out,
-        )
-        recommendation = ""
-    else:
-        failing = [i for i, ok in enumerate(fits) if not ok]
-        first = max(failing, key=lambda i: (predictions[i].peak_bytes, -i))
-        print(
-            f" verdict: does not fit: stage {first} runs out first (predicted "
-            f"{_gb(predictions[first].peak_bytes):.2f} GB > {usable:g} GB); stages that do not fit: "
-            f"{', '.join(map(str, failing))}",
-            file=out,
-        )
+    fits = _verdict(predictions, capacity_gb, dry, out)
+    recommendation = "" if all(fits) else None
+    if not all(fits):
         change, after = _recommend(argv, config, capacity_gb)
         if change is None:
-            recommendation = None
             print(
                 " no combination of the memory levers makes every stage fit: a smaller micro-batch or model",
                 file=out,
@@ -173,8 +221,17 @@ def preflight(argv: list[str], capacity_gb: float, out=sys.stdout, json_path: st
                 f"on stage {peak})",
                 file=out,
             )
+            if dry_run:  # the lever search's answer, measured
+                confirmed = _dry_run(_config([*argv, *change.flags]), out, "the job with the change")
+                ok = all(_fits(after, capacity_gb, confirmed))
+                top = max(confirmed, key=lambda d: d.max_allocated_bytes)
+                print(
+                    f" the dry run {'confirms' if ok else 'does NOT confirm'} it: peak "
+                    f"{_gb(top.max_allocated_bytes):.2f} GB on stage {top.pp_rank}",
+                    file=out,
+                )
     if json_path is not None:
-        record = preflight_record(predictions, capacity_gb, all(fits), recommendation)
+        record = preflight_record(predictions, capacity_gb, all(fits), recommendation, dry)
         text = (json.dumps(record, indent=2) + "\n").encode()
         atomic_write_bytes(json_path, lambda f: f.write(text), needed=len(text))
         print(f" wrote {json_path}", file=out)
@@ -195,11 +252,14 @@ def _json_path(value: str | None) -> str:
 
 def main(argv: list[str]) -> int:
     """pretrain.py's entry for --memory-preflight: bad input is one line and exit 2."""
-    rest, capacity, json_path = [], None, None
+    rest, capacity, json_path, dry_run = [], None, None, False
     it = iter(argv)
     try:
         for arg in it:
             if arg == "--memory-preflight":
+                continue
+            if arg == "--memory-dry-run":
+                dry_run = True
                 continue
             if arg == "--memory-preflight-json" or arg.startswith("--memory-preflight-json="):
                 json_path = _json_path(arg.split("=", 1)[1] if "=" in arg else next(it, None))
@@ -222,7 +282,7 @@ def main(argv: list[str]) -> int:
         return 2
     start = time.perf_counter()
     try:
-        code = preflight(rest, capacity, json_path=json_path)
+        code = preflight(rest, capacity, json_path=json_path, dry_run=dry_run)
     except ConfigError as err:
         print(f"pretrain.py: error: {err}", file=sys.stderr)
         return 2

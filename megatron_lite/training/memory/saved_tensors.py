@@ -37,21 +37,26 @@ class ActivationMemoryTracker:
     def __init__(self) -> None:
         self.current_bytes = 0
         self.peak_bytes = 0
-        self._refs: dict[int, list[int]] = {}  # storage pointer -> [reference count, bytes]
+        self._refs: dict[int, list[int]] = {}  # storage id -> [reference count, bytes]
         self._excluded: set[int] = set()
         self._lock = threading.Lock()
         self.tracking = False  # whether the latest track() counted: its numbers are this iteration's
         self.tracked_once = False  # whether any track() counted: the peak since start is then known
 
+    def reset(self) -> None:
+        """Forget every count and exclusion (the preflight's dry run measures one stage after another)."""
+        self.__init__()
+
     def exclude_parameters(self, parameters) -> None:
         """Never count these tensors' storages (model weights saved by linear layers, say)."""
         for p in parameters:
-            self._excluded.add(p.untyped_storage().data_ptr())
+            self._excluded.add(p.untyped_storage()._cdata)
 
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._excluded or key == 0:
+        # Keyed by the StorageImpl, which a fake tensor (the preflight's dry run) also has.
+        key = storage._cdata
+        if key in self._excluded or storage.nbytes() == 0:
             return tensor
         with self._lock:
             entry = self._refs.get(key)
