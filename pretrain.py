@@ -71,7 +71,7 @@ def worker_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if "--memory-preflight" in argv:  # a prediction only: no worker, no file
+    if "--memory-preflight" in argv:  # a prediction (and dry run): no worker, no file but its JSON
         from megatron_lite.training.memory.preflight import main as preflight
 
         return preflight(argv)

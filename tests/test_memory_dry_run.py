@@ -7,7 +7,9 @@ import io
 import json
 import os
 import re
+import sys
 
+import pytest
 from dist_helpers import run_pretrain
 from test_memory_preflight import FIRST_STAGE_HEAVY, readme_cluster_argv
 
@@ -97,3 +99,37 @@ def test_the_dry_run_without_the_preflight_is_one_line_and_exit_2(tmp_path):
         "pretrain.py: error: --memory-dry-run: is part of the preflight: give it with --memory-preflight"
     ]
     assert os.listdir(tmp_path) == []
+
+
+def _tiny_config():
+    from megatron_lite.training.arguments import config_from_argv
+
+    return config_from_argv(
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--vocab-size 256 --micro-batch-size 1 --global-batch-size 8 --pipeline-model-parallel-size 4 "
+        "--nproc-per-node 4".split()
+    )
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the patch reaches the stages' processes by fork")
+def test_a_stage_that_raises_or_dies_is_one_line_and_stops_the_others(mocker):
+    """A stage's code raising, or its process killed (the OOM killer: stood in for by SIGKILL), ends
+    the dry run with DryRunError naming the stage; nothing hangs."""
+    import signal
+
+    from megatron_lite.training.memory.dry_run import DryRunError, dry_run_stages, processes
+
+    real = processes.measure_stage
+
+    def failing(config, rank, device_type):
+        if rank == 1:  # stage 1's global rank at pp 4, tp = cp = dp = 1
+            raise RuntimeError("boom\nsecond line")
+        return real(config, rank, device_type)
+
+    mocker.patch.object(processes, "measure_stage", failing)  # forked children inherit the patch
+    with pytest.raises(DryRunError, match=r"^stage 1's dry run failed: RuntimeError: boom$"):
+        dry_run_stages(_tiny_config())
+
+    mocker.patch.object(processes, "measure_stage", lambda *a: os.kill(os.getpid(), signal.SIGKILL))
+    with pytest.raises(DryRunError, match=r"dry run died \(exit code -9\)"):
+        dry_run_stages(_tiny_config())

@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             nargs, kind = ("+", int) if kind == "+" else (None, kind)
             profiling.add_argument(flag, dest=dest, type=kind, nargs=nargs, metavar="N", help=help_text)
-    preflight = parser.add_argument_group("memory preflight (predict, build nothing, train nothing)")
+    preflight = parser.add_argument_group(
+        "memory preflight (predict, or dry-run on fake tensors; write nothing, train nothing)"
+    )
     preflight.add_argument(
         "--memory-preflight",
         action="store_true",

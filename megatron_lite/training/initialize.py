@@ -21,17 +21,18 @@ def initialize_distributed(config: ConfigContainer) -> None:
 
     gloo without CUDA; nccl with one GPU per local rank otherwise.
     """
+    if dist.is_initialized():
+        return  # joined already (a caller's world, the preflight's fake one): as upstream, left as it is
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = config.dist.distributed_backend or parallel_state.default_backend(local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=timedelta(minutes=config.dist.distributed_timeout_minutes),
-        )
+    dist.init_process_group(
+        backend=backend,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(minutes=config.dist.distributed_timeout_minutes),
+    )
 
 
 def set_random_seeds(seed: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from functools import partial
 
@@ -123,7 +124,8 @@ def build_model_and_optimizer(
         module = model_config.provide(vp_stage=vp_stage)
         # Weights are drawn on the CPU (layout-independent init), then live where the collectives run.
         device = get_collective_device()
-        if any(p.device != device for p in module.parameters()):  # (fake tensors cannot be moved in place)
+        # Only when something is elsewhere: the dry run's fake parameters cannot be swapped for a copy.
+        if any(t.device != device for t in itertools.chain(module.parameters(), module.buffers())):
             module.to(device)
         # Context-parallel ranks hold the same weights and see different tokens: average over both.
         model.append(

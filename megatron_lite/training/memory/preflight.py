@@ -27,6 +27,7 @@ import warnings
 
 from megatron_lite.training.config.ranges import RANGES, check_value
 from megatron_lite.training.errors import ConfigError
+from megatron_lite.training.memory.dry_run import DryRunError, dry_run_stages
 from megatron_lite.training.memory.levers import candidate_changes
 from megatron_lite.utils.atomic_io import WriteFailedError, atomic_write_bytes
 
@@ -49,10 +50,14 @@ def _gb(num_bytes: float) -> float:
 def _fits(predictions, capacity_gb: float, dry=None) -> list[bool]:
     """Per stage: whether its peak (the larger of the prediction and the dry run's measurement, when
     there is one) leaves the reserve free."""
-    peaks = [
-        max(p.peak_bytes, d.max_allocated_bytes if d else 0) for p, d in zip(predictions, dry or [None] * 99)
-    ]
-    return [_gb(peak) <= capacity_gb * (1 - RESERVE_FRACTION) for peak in peaks]
+    return [_gb(peak) <= capacity_gb * (1 - RESERVE_FRACTION) for peak in _peaks(predictions, dry)]
+
+
+def _peaks(predictions, dry=None) -> list[int]:
+    """Per stage: the predicted allocated peak, or with a dry run the larger of it and the measured one."""
+    if not dry:
+        return [p.peak_bytes for p in predictions]
+    return [max(p.peak_bytes, d.max_allocated_bytes) for p, d in zip(predictions, dry)]
 
 
 def format_table(predictions, capacity_gb: float, dry=None) -> str:
@@ -89,28 +94,31 @@ def _activation_bytes(p) -> int:
     return p.peak_bytes - p.weights_bytes - p.grads_bytes - p.optimizer_state_bytes - p.temporaries_bytes
 
 
-def _recommend(argv: list[str], config, capacity_gb: float):
+def _recommend(argv: list[str], config, capacity_gb: float, margin: float = 1.0):
     """The cheapest change that makes every stage fit, with the predictions under it; (None, None)
-    when no combination of the levers does."""
+    when no combination of the levers does. ``margin``: how much more than predicted the dry run
+    measured (at least 1), which a candidate's predictions must leave room for."""
     from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 
+    usable = capacity_gb * (1 - RESERVE_FRACTION)
     for change in candidate_changes(config):
         try:
             candidate = _config([*argv, *change.flags])
         except (ConfigError, ValueError, AssertionError):
             continue
         after = predict_memory_per_stage(candidate, device_type="cuda")
-        if all(_fits(after, capacity_gb)):
+        if all(_gb(p.peak_bytes * margin) <= usable for p in after):
             return change, after
     return None, None
 
 
 def preflight_record(
-    predictions, capacity_gb: float, fits: bool, recommendation: str | None, dry=None
+    predictions, capacity_gb: float, fits: bool, recommendation: str | None, dry=None, confirmed=None
 ) -> dict:
     """The preflight as data (``--memory-preflight-json``): per stage the predicted allocated peak and
     its parts, in bytes, and with ``dry`` the dry run's measured peak; the device; the verdict; the
-    flags to add ("" when it fits as given, None when no combination of the levers fits)."""
+    flags to add ("" when it fits as given, None when no combination of the levers fits) and, when
+    the dry run measured them, whether they fit (``recommendation_confirmed``)."""
     stages = [
         {
             "stage": i,
@@ -130,37 +138,12 @@ def preflight_record(
         "reserve_fraction": RESERVE_FRACTION,
         "fits": fits,
         "recommendation": recommendation,
+        **({} if confirmed is None else {"recommendation_confirmed": confirmed}),
     }
 
 
-def _dry_run(config, out, what: str):
-    """The dry run of ``config``'s stages, with its time and what it leaves out, on ``out``."""
-    from megatron_lite.training.memory.dry_run import NOT_SIMULATED, dry_run_microbatches, dry_run_stages
-
-    start = time.perf_counter()
-    count = dry_run_microbatches(config)
-    print(
-        f" dry run of {what}: each stage's real code on fake tensors in a fake world of "
-        f"{config.world_size} ranks, {count} of {config.num_microbatches} microbatches (the rest repeat "
-        "the steady state)",
-        file=out,
-        flush=True,
-    )
-    dry = dry_run_stages(config, device_type="cuda", out=out)
-    measured = len({d.measured_as for d in dry})
-    print(
-        f" dry run took {time.perf_counter() - start:.1f} s ({measured} stages measured); {NOT_SIMULATED}",
-        file=out,
-    )
-    return dry
-
-
 def _verdict(predictions, capacity_gb: float, dry, out) -> list[bool]:
-    fits = _fits(predictions, capacity_gb, dry)
-    peaks = [
-        max(p.peak_bytes, d.max_allocated_bytes if dry else 0)
-        for p, d in zip(predictions, dry or predictions)
-    ]
+    fits, peaks = _fits(predictions, capacity_gb, dry), _peaks(predictions, dry)
     usable = capacity_gb * (1 - RESERVE_FRACTION)
     which = "predicted or dry run, the larger" if dry else "predicted"
     if all(fits):
@@ -194,8 +177,9 @@ def preflight(
         f"{m.virtual_pipeline_model_parallel_size or 1}, {config.num_microbatches} microbatches of "
         f"{config.train.micro_batch_size}"
     )
-    dry = _dry_run(config, out, "the job as given") if dry_run else None
-    print(f" memory preflight ({layout}; a prediction: no world built, nothing trained)", file=out)
+    dry = dry_run_stages(config, "cuda", out, "the job as given") if dry_run else None
+    how = "predicted, and measured by the dry run" if dry else "a prediction: no world built, nothing trained"
+    print(f" memory preflight ({layout}; {how})", file=out)
     print(format_table(predictions, capacity_gb, dry), file=out)
     usable = capacity_gb * (1 - RESERVE_FRACTION)
     print(
@@ -204,9 +188,10 @@ def preflight(
         file=out,
     )
     fits = _verdict(predictions, capacity_gb, dry, out)
-    recommendation = "" if all(fits) else None
+    recommendation, confirmed = ("" if all(fits) else None), None
     if not all(fits):
-        change, after = _recommend(argv, config, capacity_gb)
+        margin = max([1.0] + [d.max_allocated_bytes / p.peak_bytes for p, d in zip(predictions, dry or [])])
+        change, after = _recommend(argv, config, capacity_gb, margin)
         if change is None:
             print(
                 " no combination of the memory levers makes every stage fit: a smaller micro-batch or model",
@@ -222,16 +207,18 @@ def preflight(
                 file=out,
             )
             if dry_run:  # the lever search's answer, measured
-                confirmed = _dry_run(_config([*argv, *change.flags]), out, "the job with the change")
-                ok = all(_fits(after, capacity_gb, confirmed))
-                top = max(confirmed, key=lambda d: d.max_allocated_bytes)
+                measured = dry_run_stages(
+                    _config([*argv, *change.flags]), "cuda", out, "the job with the change"
+                )
+                confirmed = all(_fits(after, capacity_gb, measured))
+                top = max(measured, key=lambda d: d.max_allocated_bytes)
                 print(
-                    f" the dry run {'confirms' if ok else 'does NOT confirm'} it: peak "
+                    f" the dry run {'confirms' if confirmed else 'does NOT confirm'} it: peak "
                     f"{_gb(top.max_allocated_bytes):.2f} GB on stage {top.pp_rank}",
                     file=out,
                 )
     if json_path is not None:
-        record = preflight_record(predictions, capacity_gb, all(fits), recommendation, dry)
+        record = preflight_record(predictions, capacity_gb, all(fits), recommendation, dry, confirmed)
         text = (json.dumps(record, indent=2) + "\n").encode()
         atomic_write_bytes(json_path, lambda f: f.write(text), needed=len(text))
         print(f" wrote {json_path}", file=out)
@@ -288,6 +275,9 @@ def main(argv: list[str]) -> int:
         return 2
     except WriteFailedError as err:
         print(f"pretrain.py: error: {err}", file=sys.stderr)
+        return 1
+    except DryRunError as err:
+        print(f"pretrain.py: error: --memory-dry-run: {err}", file=sys.stderr)
         return 1
     print(f" (preflight took {time.perf_counter() - start:.2f} s)")
     return code

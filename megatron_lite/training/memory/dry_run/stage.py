@@ -1,0 +1,109 @@
+"""One stage's dry run, in a process of its own: a fake world, the fake batch, the real code."""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+
+def _fake_batches(config, device):
+    """The data loader's microbatches as fake tensors, made when read (under the tracker, as a real
+    loader's are): one iterator, or one per model chunk with virtual pipeline stages."""
+    b, s = config.train.micro_batch_size, config.model.seq_length
+    mask = getattr(config.dataset, "create_attention_mask", False) and config.dataset.blend is not None
+
+    def batches():
+        while True:
+            batch = {
+                "tokens": torch.zeros(b, s, dtype=torch.long, device=device),
+                "labels": torch.zeros(b, s, dtype=torch.long, device=device),
+                "loss_mask": torch.ones(b, s, dtype=torch.float32, device=device),
+                "position_ids": torch.zeros(b, s, dtype=torch.long, device=device),
+            }
+            if mask:
+                batch["attention_mask"] = torch.zeros(b, 1, s, s, dtype=torch.bool, device=device)
+            yield batch
+
+    vp = config.model.virtual_pipeline_model_parallel_size or 1
+    return batches() if vp == 1 else [batches() for _ in range(vp)]
+
+
+class _NoTimer:
+    def __call__(self, *args, **kwargs):
+        return self
+
+    def start(self, *args, **kwargs):
+        pass
+
+    def stop(self, *args, **kwargs):
+        pass
+
+
+@contextlib.contextmanager
+def _fake_world(config, rank: int):
+    """This process as global rank ``rank`` of a fake world of the job's size, its groups and seeds
+    made by the workers' own ``initialize_megatron``."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    from megatron_lite.core import parallel_state
+    from megatron_lite.training.initialize import initialize_megatron
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=config.world_size)
+    try:
+        yield initialize_megatron(config)  # joins the world already there, as under torchrun
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def stage_ranks(config) -> list[int]:
+    """The global ranks of the pipeline stages at TP / CP / DP rank 0 (the groups' own order). It
+    builds a fake world: call it in a dry run's own process."""
+    with _fake_world(config, 0) as pg:
+        return dist.get_process_group_ranks(pg.pp)
+
+
+def measure_stage(config, rank: int, device_type: str = "cpu") -> tuple[int, int]:
+    """(allocated peak, static bytes at it) of global rank ``rank``: the optimizer's first step (its
+    state allocated, on zero gradients) and then one training step with the state resident, as a
+    real run's second; on fake tensors in a fake world. Run it in a process of its own (it sets up
+    groups and seeds), and one stage a process: a built model is not freed by the garbage collector
+    (its C++ autograd hooks hold it), and the tracker would count it in the next stage's run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_lite.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
+    from megatron_lite.core.utils import fake_world_stands_for
+    from megatron_lite.training.gpt_step import forward_step
+    from megatron_lite.training.memory.allocated import ALLOCATED_MEMORY
+    from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
+    from megatron_lite.training.setup import build_model_and_optimizer
+    from megatron_lite.training.state import GlobalState
+    from megatron_lite.training.training import train_step
+
+    state = GlobalState()
+    state.cfg = config
+    ALLOCATED_MEMORY.reset(storage_device="meta")
+    ACTIVATION_MEMORY.reset()  # nothing the parent counted or excluded (a forked child inherits it)
+    stands_for = fake_world_stands_for("nccl" if device_type == "cuda" else "gloo")
+    with stands_for, _fake_world(config, rank) as pg, FakeTensorMode(allow_non_fake_inputs=True):
+        t = config.train
+        reconfigure_num_microbatches_calculator(rank, None, t.global_batch_size, t.micro_batch_size,
+                                                config.data_parallel_size)  # fmt: skip
+        # A GPU job's AdamW is PyTorch's foreach one (its CUDA default); the CPU's is the per-tensor loop.
+        model, optimizer = build_model_and_optimizer(
+            config, pg, foreach=True if device_type == "cuda" else None
+        )
+        with ALLOCATED_MEMORY.track():
+            optimizer.step()
+        data = _fake_batches(config, next(model[0].parameters()).device)
+        train_step(partial(forward_step, state), data, model, optimizer, _NoScheduler(), config, _NoTimer(),
+                   pg, track_activation_memory=True)  # fmt: skip
+    return ALLOCATED_MEMORY.peak_bytes, ALLOCATED_MEMORY.peak_static_bytes
+
+
+class _NoScheduler:
+    def step(self, increment: int) -> None:
+        pass  # the learning rate changes no tensor's size
