@@ -249,7 +249,9 @@ class ColumnParallelLinear(nn.Module):
             if not (self.sequence_parallel or self.disable_grad_reduce):
                 input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
             if deferring and defers_wgrad(self.embedding_activation_buffer, self.config.wgrad_deferral_limit):
-                self.embedding_activation_buffer.append(input_parallel)
+                # Its values only: the tensor itself would keep this microbatch's graph, and with it the
+                # received input and its gradient, alive until the flush.
+                self.embedding_activation_buffer.append(input_parallel.detach())
             output = LinearWithGradAccumulationAndAsyncCommunication.apply(
                 input_parallel,
                 weight,
