@@ -3,13 +3,15 @@
 
     python bench/memory_prediction.py
 
-Runs the real pretrain() for one iteration in 4-rank gloo worlds (CPU) for each layout: (tp, pp, vp)
+Runs the real pretrain() for two iterations (the second is the first with the optimizer state resident)
+in 4-rank gloo worlds (CPU) for each layout: (tp, pp, vp)
 in (1,4,1), (2,2,1), (1,2,2), (1,4,2) with and without full recomputation, sequence parallelism,
 the distributed optimizer at dp = 2, bf16, and a Llama-shaped, a context-parallel and a selectively
 recomputed run; --distribute-saved-activations at pp = 1 only (with pp > 1 training fails: a known bug). Measured: peak saved activations and optimizer state from the run's per-stage
 TensorBoard events, weights and gradient buffers from the tensors (TP rank 0 / DP rank 0 of each
 stage). Predicted: the ``memory/pp-stage-<i>/predicted-*`` values the run logged at start
-(megatron_lite/training/memory/predict/stages.py). Prints one row per layout and stage, MB = 1e6 bytes; then the allocated peak (mem-max-allocated,
+(megatron_lite/training/memory/predict/stages.py); and the allocated peak measured by the preflight's
+dry run. Prints one row per layout and stage, MB = 1e6 bytes; then the allocated peak (mem-max-allocated,
 temporaries included) measured, dry-run and predicted on every stage of the seven layouts of the peak's
 issue; then the preflight's dry run at full size (the README's Llama-3-8B-shaped tp 4 x pp 4 job and a
 Llama-3-70B-shaped tp 8 x pp 8 one, seq 8192, sequence parallel, distributed optimizer, bf16) beside the
@@ -29,7 +31,7 @@ from memory_measure import PEAK_CASES, QUANTITIES, measure, peak_argv  # noqa: E
 
 MODEL = (
     "--num-layers 8 --hidden-size 128 --num-attention-heads 8 --seq-length 128 --max-position-embeddings 128 "
-    "--vocab-size 256 --micro-batch-size 2 --train-iters 1 --log-interval 1"
+    "--vocab-size 256 --micro-batch-size 2 --train-iters 2 --log-interval 1"
 ).split()
 FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 LLAMA = (
@@ -79,15 +81,20 @@ def argv(tp: int, pp: int, vp: int, cp: int, flags: str) -> list[str]:
 
 
 def main() -> int:
+    from megatron_lite.training.arguments import config_from_argv
+    from megatron_lite.training.memory.dry_run import dry_run_stages
+
     header = f"{'layout':<32}{'stage':>6}" + "".join(
         f"{q + ' meas/pred (MB)':>30}{'err %':>8}" for q in QUANTITIES
     )
-    print(header)
+    print(header + f"{'peak dry run':>14}{'err %':>8}")
     worst = dict.fromkeys(QUANTITIES, 0.0)
+    worst_dry = 0.0
     for name, layout in LAYOUTS.items():
         with tempfile.TemporaryDirectory() as tmp:
             os.chdir(tmp)
             stages = measure(argv(*layout), 4, os.path.join(tmp, "tb"), quiet=True)
+            dry = dry_run_stages(config_from_argv(argv(*layout)))
         for stage, quantities in enumerate(stages):
             cells = ""
             for q in QUANTITIES:
@@ -95,8 +102,15 @@ def main() -> int:
                 error = 100.0 * (predicted - measured) / measured
                 worst[q] = max(worst[q], abs(error))
                 cells += f"{measured * 1e3:>14.4f} / {predicted * 1e3:<13.4f}{error:>+8.2f}"
+            dried, measured = dry[stage].max_allocated_bytes / 1e9, quantities["peak"][0]
+            worst_dry = max(worst_dry, abs(100.0 * (dried / measured - 1)))
+            cells += f"{dried * 1e3:>14.4f}{100.0 * (dried / measured - 1):>+8.2f}"
             print(f"{name if stage == 0 else '':<32}{stage:>6}{cells}", flush=True)
-    print("largest |error| %: " + ", ".join(f"{q} {worst[q]:.2f}" for q in QUANTITIES))
+    print(
+        "largest |error| %: "
+        + ", ".join(f"{q} {worst[q]:.2f}" for q in QUANTITIES)
+        + f"; the dry run's peak {worst_dry:.2f}"
+    )
     peak_cases()
     full_size_dry_runs()
     return 0

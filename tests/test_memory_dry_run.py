@@ -12,6 +12,7 @@ import sys
 import pytest
 from dist_helpers import run_pretrain
 from test_memory_preflight import FIRST_STAGE_HEAVY, readme_cluster_argv
+from test_memory_preflight import _table as predicted_table
 
 from megatron_lite.training.memory.dry_run import NOT_SIMULATED
 
@@ -53,7 +54,7 @@ def test_the_readme_cluster_example_at_full_size_its_dry_run_beside_the_predicti
 
 def test_a_70b_shaped_job_reduced_agrees_with_the_prediction_within_3_percent_on_every_stage():
     """The 70B job's layout (tp 8 x pp 8, sequence parallel, distributed optimizer at dp 2, bf16,
-    Llama's shape, 80 / 8 layers a stage) at a width and length a test affords; full size:
+    Llama's shape) at a width, length and depth a test affords; full size:
     bench/memory_prediction.py."""
     from megatron_lite.training.arguments import config_from_argv
     from megatron_lite.training.memory.dry_run import dry_run_stages
@@ -61,7 +62,7 @@ def test_a_70b_shaped_job_reduced_agrees_with_the_prediction_within_3_percent_on
 
     argv = (
         "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 --sequence-parallel "
-        "--use-distributed-optimizer --bf16 --num-layers 16 --hidden-size 512 --num-attention-heads 8 "
+        "--use-distributed-optimizer --bf16 --num-layers 8 --hidden-size 512 --num-attention-heads 8 "
         "--group-query-attention --num-query-groups 8 --ffn-hidden-size 1792 --swiglu --normalization RMSNorm "
         "--position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear "
         "--seq-length 1024 --max-position-embeddings 1024 --vocab-size 16384 --micro-batch-size 1 "
@@ -81,9 +82,8 @@ def test_the_dry_run_confirms_the_lever_searchs_fix():
 
     argv = FIRST_STAGE_HEAVY
     out = io.StringIO()
-    preflight(argv, 100, out, dry_run=True)
-    table = _dry_table(out.getvalue())
-    device = round(max(max(t) for t in table.values()) * 0.95 / 0.9, 3)
+    preflight(argv, 100, out)  # the prediction alone, to size the device
+    device = round(max(predicted_table(out.getvalue()).values()) * 0.95 / 0.9, 3)
     out = io.StringIO()
     assert preflight(argv, device, out, dry_run=True) == 1
     text = out.getvalue()

@@ -91,6 +91,7 @@ from megatron_lite.training.memory.predict.params import chunk_bounds, param_mem
 from megatron_lite.training.memory.predict.temporaries import (
     chunk_transients,
     optimizer_step_extra,
+    received_input_bytes,
     schedule_peak_allocated,
 )
 from megatron_lite.training.memory.report import gigabytes
@@ -171,15 +172,16 @@ def predict_memory_per_stage(
     per_layer = sum(layer_saves(x).values())
     stages = []
     for rank in range(pp):
-        chunks, transients = [], []
+        chunks, transients, received = [], [], []
         for vp_stage in range(vp):
             pre, post = chunk_bounds(m, rank, vp_stage)
             layers = get_num_layers_to_build(m, vp_stage, rank)
             chunks.append(chunk_activations(x, layers, pre, post))
             transients.append(chunk_transients(x, chunks[-1], post))
+            received.append(received_input_bytes(x, pre, layers))
         events = schedule_events(config.num_microbatches, vp, pp, rank, group)
         peak, in_flight = schedule_peak(events, chunks)
-        step, saved_then = schedule_peak_allocated(events, chunks, transients)
+        step, saved_then = schedule_peak_allocated(events, chunks, transients, received)
         deferred = deferred_wgrad_bytes(x, config.num_microbatches) if rank == pp - 1 else 0
         params = param_memory(config, rank, dp_rank)
         scratch = optimizer_step_extra(

@@ -26,9 +26,12 @@ buffer). The deferred output-layer wgrad buffers (--defer-embedding-wgrad-comput
 schedule's instant as stages.py's ``deferred_wgrad_bytes``; recomputation's re-saved unit is in the
 chunk's backward peak (activations.py).
 
+Counted beside the saves: the received activation a chunk holds until its backward when no save
+holds it (an RMSNorm in bf16 saves an fp32 upcast instead; ``received_input_bytes``).
+
 Left out: buffers of a t h e or smaller each, under 1% of a stage at hidden 128 and up to 7% of a toy
-model of hidden 64 (interleaved with full recomputation): the activations and gradients a pipeline
-schedule has received ahead (the interleaved one holds several), recomputation's saved RNG states
+model of hidden 64 (interleaved with full recomputation; the dry run measures them): the activations
+and gradients a pipeline schedule has received ahead (the interleaved one holds several), recomputation's saved RNG states
 (5 KB each), the batch, loss scalars, kernel-internal scratch. On CUDA the same tensors are allocated except the attention
 kernels' own, and the caching allocator rounds each block to 512 bytes: not verified on a GPU yet.
 """
@@ -41,6 +44,7 @@ from megatron_lite.training.memory.predict.activations import (
     ChunkActivations,
     Shape,
     loss_saves,
+    norm_keeps_input,
     vocab_per_rank,
 )
 
@@ -89,22 +93,39 @@ def chunk_transients(x: Shape, chunk: ChunkActivations, post: bool) -> ChunkTran
     return ChunkTransients(forward, max(output, (after_output + layer, after_output)))
 
 
+def received_input_bytes(x: Shape, pre: bool, layers: int) -> int:
+    """What a chunk that receives its input (not the embedding's) holds beside its saves from its
+    forward to its backward: the received activation t' h e, which the schedule keeps for the
+    backward, unless the chunk's saves hold it already (a first norm that saves its input, or full
+    recomputation, which keeps each unit's input)."""
+    m = x.m
+    if pre or norm_keeps_input(m) or (m.recompute_granularity == "full" and layers):
+        return 0
+    return x.norm_tokens * m.hidden_size * x.elt
+
+
 def schedule_peak_allocated(
-    events: list[tuple[str, int]], chunks: list[ChunkActivations], transients: list[ChunkTransients]
+    events: list[tuple[str, int]],
+    chunks: list[ChunkActivations],
+    transients: list[ChunkTransients],
+    received: list[int] | None = None,
 ) -> tuple[int, int]:
     """(the most bytes beyond the static ones over the schedule's forwards and backwards, the saved
-    activations then): the saves of the microbatch-chunks in flight plus the transients of the one
-    running."""
-    held, peak = 0, (0, 0)
+    activations then): the saves of the microbatch-chunks in flight (and the received inputs held
+    beside them, ``received`` per chunk) plus the transients of the one running."""
+    received = received or [0] * len(chunks)
+    held = saved = 0
+    peak = (0, 0)
     for kind, c in events:
         if kind == "F":
             instant = transients[c].forward
-            peak = max(peak, (held + instant[0], held + instant[1]))
-            held += chunks[c].kept
+            peak = max(peak, (held + received[c] + instant[0], saved + instant[1]))
+            held, saved = held + chunks[c].kept + received[c], saved + chunks[c].kept
         else:
-            instant, base = transients[c].backward, held - chunks[c].kept
-            peak = max(peak, (base + instant[0], base + instant[1]))
-            held -= chunks[c].kept
+            instant = transients[c].backward
+            base, base_saved = held - chunks[c].kept - received[c], saved - chunks[c].kept
+            peak = max(peak, (base + received[c] + instant[0], base_saved + instant[1]))
+            held, saved = base, base_saved
     return peak
 
 
