@@ -258,7 +258,7 @@ def test_overlapped_grad_reduction_is_refused_by_the_core_api():
 
 
 def test_the_last_stage_holds_only_the_deferred_inputs_and_output_gradients():
-    """Measured by the preflight's dry run (within 0.2% of real CPU runs): under deferral the last
+    """Measured by the preflight's dry run (within 0.2% of the real CPU run here): under deferral the last
     stage's peak is what the prediction counts, the output layer's held inputs and output gradients,
     within 2%. A held input that kept its microbatch's graph alive also kept the stage's received
     activation and its gradient until the flush: 7% more on this stage."""

@@ -13,7 +13,8 @@ the stage's own schedule included (1F1B or interleaved; a received activation or
 buffer the schedule allocates for it): the real run's second iteration, the first with the optimizer
 state resident. The peak is the allocated-bytes tracker's (allocated.py), counting fake storages as
 it counts the CPU's in a real run: the dry run and ``mem-max-allocated`` are one accounting, within
-0.2% of each other on every stage of the layouts bench/memory_prediction.py runs.
+0.2% of each other on most stages of the layouts bench/memory_prediction.py runs and 1.5% on all
+(a tp 2 first stage misses one t h e buffer of the real run's).
 
 Where code differs by device the dry run takes the job's path: for a GPU job (``device_type="cuda"``,
 the preflight's) NCCL's reduce-scatter and the foreach AdamW; for a CPU one gloo's. Point-to-point
