@@ -7,7 +7,6 @@ import io
 import json
 import os
 import re
-import sys
 
 import pytest
 from dist_helpers import run_pretrain
@@ -111,25 +110,38 @@ def _tiny_config():
     )
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="the patch reaches the stages' processes by fork")
-def test_a_stage_that_raises_or_dies_is_one_line_and_stops_the_others(mocker):
-    """A stage's code raising, or its process killed (the OOM killer: stood in for by SIGKILL), ends
-    the dry run with DryRunError naming the stage; nothing hangs."""
+def test_a_stage_that_raises_is_one_line_and_stops_the_others():
+    """A stage whose code raises (here: a stage the job does not have) ends the dry run with
+    DryRunError naming it, its first line only; the stage running beside it is stopped."""
+    import multiprocessing
+
+    from megatron_lite.training.memory.dry_run import DryRunError
+    from megatron_lite.training.memory.dry_run.processes import run_in_children
+
+    with pytest.raises(DryRunError, match=r"^stage 9's dry run failed: IndexError: list index out of range$"):
+        list(run_in_children(_tiny_config(), [0, 9], "cpu", workers=2))
+    assert multiprocessing.active_children() == []
+
+
+def test_a_stage_process_killed_is_one_line_and_nothing_hangs():
+    """A stage's process killed from outside (as the OOM killer would) ends the dry run with
+    DryRunError and its exit code, the stages after it never started."""
+    import multiprocessing
     import signal
+    import threading
+    import time
 
-    from megatron_lite.training.memory.dry_run import DryRunError, dry_run_stages, processes
+    from megatron_lite.training.memory.dry_run import DryRunError
+    from megatron_lite.training.memory.dry_run.processes import run_in_children
 
-    real = processes.measure_stage
+    def kill_the_first_stage():
+        while not (children := multiprocessing.active_children()):
+            time.sleep(0.01)
+        os.kill(children[0].pid, signal.SIGKILL)
 
-    def failing(config, rank, device_type):
-        if rank == 1:  # stage 1's global rank at pp 4, tp = cp = dp = 1
-            raise RuntimeError("boom\nsecond line")
-        return real(config, rank, device_type)
-
-    mocker.patch.object(processes, "measure_stage", failing)  # forked children inherit the patch
-    with pytest.raises(DryRunError, match=r"^stage 1's dry run failed: RuntimeError: boom$"):
-        dry_run_stages(_tiny_config())
-
-    mocker.patch.object(processes, "measure_stage", lambda *a: os.kill(os.getpid(), signal.SIGKILL))
-    with pytest.raises(DryRunError, match=r"dry run died \(exit code -9\)"):
-        dry_run_stages(_tiny_config())
+    killer = threading.Thread(target=kill_the_first_stage, daemon=True)
+    killer.start()
+    with pytest.raises(DryRunError, match=r"^stage 0's dry run died \(exit code -9\)$"):
+        list(run_in_children(_tiny_config(), [0, 1, 2, 3], "cpu", workers=1))
+    killer.join(timeout=10)
+    assert multiprocessing.active_children() == []

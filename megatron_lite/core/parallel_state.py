@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 _AXES = ("tp", "pp", "dp", "ep", "cp")
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"  # Megatron core's: tensor-parallel ranks adjacent, pipeline stages farthest
 
 
 class RankGenerator:
@@ -195,7 +196,7 @@ def initialize_model_parallel(
     expert_tensor_parallel_size: int | None = None,
     nccl_communicator_config_path: str | None = None,
     distributed_timeout_minutes: int = 30,
-    order: str = "tp-cp-ep-dp-pp",
+    order: str = DEFAULT_ORDER,
     get_embedding_ranks=None,
     get_position_embedding_ranks=None,
     create_gloo_process_groups: bool = True,

@@ -84,8 +84,8 @@ class AllocatedMemoryTracker:
         self.storage_device = "cpu"  # whose storages count: "meta" for fake tensors' (the dry run)
 
     def reset(self, storage_device: str = "cpu") -> None:
-        """Forget everything and count ``storage_device``'s storages from now on: the preflight's dry
-        run measures one stage after another in one process, with fake tensors (``meta`` storages)."""
+        """Forget everything and count ``storage_device``'s storages from now on: a stage's dry run
+        counts fake tensors (``meta`` storages), nothing of what its parent process counted."""
         with self._lock:
             self.__init__(self.saved_activations)
             self.storage_device = storage_device

@@ -44,7 +44,7 @@ class ActivationMemoryTracker:
         self.tracked_once = False  # whether any track() counted: the peak since start is then known
 
     def reset(self) -> None:
-        """Forget every count and exclusion (the preflight's dry run measures one stage after another)."""
+        """Forget every count and exclusion (a stage's dry run keeps nothing of its parent process's)."""
         self.__init__()
 
     def exclude_parameters(self, parameters) -> None:

@@ -21,8 +21,7 @@ def _measure_in_child(config, stage: int, device_type: str, conn) -> None:
         start = time.perf_counter()
         with warnings.catch_warnings():  # the job's own warnings were the preflight's to give, once
             warnings.simplefilter("ignore")
-            rank = stage_ranks(config)[stage]
-            peak, static = measure_stage(config, rank, device_type)
+            peak, static = measure_stage(config, stage_ranks(config)[stage], device_type)
         conn.send((peak, static, time.perf_counter() - start))
     except BaseException as err:  # reported by the parent as one line
         conn.send(f"{type(err).__name__}: {err}".splitlines()[0])

@@ -31,17 +31,6 @@ def _fake_batches(config, device):
     return batches() if vp == 1 else [batches() for _ in range(vp)]
 
 
-class _NoTimer:
-    def __call__(self, *args, **kwargs):
-        return self
-
-    def start(self, *args, **kwargs):
-        pass
-
-    def stop(self, *args, **kwargs):
-        pass
-
-
 @contextlib.contextmanager
 def _fake_world(config, rank: int):
     """This process as global rank ``rank`` of a fake world of the job's size, its groups and seeds
@@ -60,10 +49,16 @@ def _fake_world(config, rank: int):
 
 
 def stage_ranks(config) -> list[int]:
-    """The global ranks of the pipeline stages at TP / CP / DP rank 0 (the groups' own order). It
-    builds a fake world: call it in a dry run's own process."""
-    with _fake_world(config, 0) as pg:
-        return dist.get_process_group_ranks(pg.pp)
+    """The global ranks of the pipeline stages at TP / CP / DP rank 0: the pipeline group of rank 0,
+    as initialize_megatron's groups (Megatron core's default order) make it. Arithmetic, no world."""
+    from megatron_lite.core.parallel_state import DEFAULT_ORDER, RankGenerator
+
+    m = config.model
+    generator = RankGenerator(
+        tp=m.tensor_model_parallel_size, ep=1, dp=config.data_parallel_size,
+        pp=m.pipeline_model_parallel_size, cp=m.context_parallel_size, order=DEFAULT_ORDER,
+    )  # fmt: skip
+    return generator.get_ranks("pp")[0]
 
 
 def measure_stage(config, rank: int, device_type: str = "cpu") -> tuple[int, int]:
@@ -79,7 +74,7 @@ def measure_stage(config, rank: int, device_type: str = "cpu") -> tuple[int, int
     from megatron_lite.training.gpt_step import forward_step
     from megatron_lite.training.memory.allocated import ALLOCATED_MEMORY
     from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
-    from megatron_lite.training.setup import build_model_and_optimizer
+    from megatron_lite.training.setup import build_model_and_optimizer, get_optimizer_param_scheduler
     from megatron_lite.training.state import GlobalState
     from megatron_lite.training.training import train_step
 
@@ -99,11 +94,7 @@ def measure_stage(config, rank: int, device_type: str = "cpu") -> tuple[int, int
         with ALLOCATED_MEMORY.track():
             optimizer.step()
         data = _fake_batches(config, next(model[0].parameters()).device)
-        train_step(partial(forward_step, state), data, model, optimizer, _NoScheduler(), config, _NoTimer(),
-                   pg, track_activation_memory=True)  # fmt: skip
+        scheduler = get_optimizer_param_scheduler(config, optimizer)
+        train_step(partial(forward_step, state), data, model, optimizer, scheduler, config, state.timers, pg,
+                   track_activation_memory=True)  # fmt: skip
     return ALLOCATED_MEMORY.peak_bytes, ALLOCATED_MEMORY.peak_static_bytes
-
-
-class _NoScheduler:
-    def step(self, increment: int) -> None:
-        pass  # the learning rate changes no tensor's size
