@@ -17,13 +17,9 @@ import traceback
 
 
 def _report(message: str) -> None:
-    """Hand an error to the launcher (which prints it once) or, under torchrun, print it."""
-    path = os.environ.get("MEGATRON_LITE_ERROR_FILE")
-    if path:
-        with open(path, "w") as f:
-            f.write(message + "\n")
-    else:
-        print(message, file=sys.stderr, flush=True)
+    from megatron_lite.training.launcher import report_error
+
+    report_error(message)
 
 
 def _raise_exit(signum, frame):

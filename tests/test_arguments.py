@@ -19,6 +19,9 @@ BAD_INPUT = [
     (["--global-batch-size", "10", "--micro-batch-size", "4"], "--global-batch-size"),
     (["--nproc-per-node", "6", "--pipeline-model-parallel-size", "4"], "--nproc-per-node"),
     (["--hidden-size", "0"], "--hidden-size"),
+    (["--use-rope-scaling"], "--use-rope-scaling"),  # learned positions: nothing to scale
+    (["--rope-scaling-factor", "32"], "--rope-scaling-factor"),  # without --use-rope-scaling
+    (["--openai-gelu", "--swiglu"], "--openai-gelu"),
     (["--micro-batch-size", "-1"], "--micro-batch-size"),
     (["--train-iters", "0"], "--train-iters"),
     (["--lr", "-0.1"], "--lr"),
@@ -274,12 +277,13 @@ def test_llama_flags_map_onto_the_model_config():
 
     cfg = parse_args(
         "--hidden-size 256 --num-attention-heads 8 --position-embedding-type rope --rotary-base 500000 "
-        "--rotary-percent 0.5 --rotary-interleaved --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
+        "--use-rope-scaling --rope-scaling-factor 32 --rotary-percent 0.5 --rotary-interleaved --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
         "--group-query-attention --num-query-groups 2 --disable-bias-linear --add-qkv-bias "
         "--untie-embeddings-and-output-weights --make-vocab-size-divisible-by 64 --vocab-size 1000".split()
     )
     m = cfg.model
     assert (m.position_embedding_type, m.rotary_base, m.rotary_percent) == ("rope", 500000, 0.5)
+    assert m.rope_scaling and m.rope_scaling_factor == 32.0
     assert m.rotary_interleaved and m.normalization == "RMSNorm" and m.layernorm_epsilon == 1e-6
     assert m.gated_linear_unit and m.activation_func is F.silu
     assert m.ffn_hidden_size == 640  # upstream's SwiGLU default: int(4 h 2/3 / 64) 64
@@ -287,6 +291,8 @@ def test_llama_flags_map_onto_the_model_config():
     assert not m.share_embeddings_and_output_weights and m.padded_vocab_size == 1024
     assert parse_args(["--layernorm-epsilon", "1e-6"]).model.layernorm_epsilon == 1e-6
     assert parse_args(["--num-attention-heads", "8"]).model.num_query_groups == 8  # one group per head
+    # Checkpoints record the activation by name: GPT-2's tanh GELU must not read as "gelu".
+    assert parse_args(["--openai-gelu"]).model.activation_func.__name__ == "openai_gelu"
 
 
 def test_memory_flag_without_dir_gets_a_default_dir(tmp_path):

@@ -26,6 +26,7 @@ FLOORS = {
     "megatron_lite.data": 4,
     "megatron_lite.training": 5,
     "megatron_lite.recipes": 6,
+    "megatron_lite.bridge": 6,  # Hugging Face models in and out: above training (it writes checkpoints)
     "megatron_lite": 7,
 }
 

@@ -1,6 +1,7 @@
 """Our GPTModel's logits equal an independent implementation's (Hugging Face ``transformers``, built
 from a config, no download) when the same weights are copied in: Llama-shaped (RoPE, RMSNorm, SwiGLU,
-GQA, untied embeddings, no biases) and GPT-2-shaped (the default)."""
+GQA, untied embeddings, no biases; Llama 3.x's rope scaling) and GPT-2-shaped (the default, with the
+exact GELU or GPT-2's own tanh one)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 import transformers  # the dev extra's independent implementation
 from dist_helpers import run_world
 
+from megatron_lite.core.activations import openai_gelu
 from megatron_lite.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron_lite.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_lite.core.models.gpt.gpt_model import GPTModel
@@ -25,8 +27,8 @@ def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return ((ours - reference).abs().max() / reference.abs().max()).item()
 
 
-def _tokens(batch: int = 3) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(7))
+def _tokens(batch: int = 3, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(7))
 
 
 def _llama_config() -> TransformerConfig:
@@ -45,7 +47,7 @@ def _llama_config() -> TransformerConfig:
     )
 
 
-def _llama(rotary_base: int = 10000, pg_collection=None) -> GPTModel:
+def _llama(rotary_base: int = 10000, pg_collection=None, **rope_scaling) -> GPTModel:
     return GPTModel(
         _llama_config(),
         VOCAB,
@@ -54,11 +56,18 @@ def _llama(rotary_base: int = 10000, pg_collection=None) -> GPTModel:
         rotary_base=rotary_base,
         share_embeddings_and_output_weights=False,
         pg_collection=pg_collection,
+        **rope_scaling,
     ).eval()
 
 
-def _llama_pair(rotary_base: int = 10000):
-    ours = _llama(rotary_base)
+def _llama_pair(rotary_base: int = 10000, rope_scaling_factor: float | None = None):
+    """Ours and transformers' Llama with the same weights; Llama 3.x rope scaling by the factor if given."""
+    scaled = rope_scaling_factor is not None
+    ours = _llama(
+        rotary_base, **(dict(rope_scaling=True, rope_scaling_factor=rope_scaling_factor) if scaled else {})
+    )
+    llama3 = {"rope_type": "llama3", "factor": rope_scaling_factor, "low_freq_factor": 1.0}
+    llama3.update(high_freq_factor=4.0, original_max_position_embeddings=8192)
     reference = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
             vocab_size=VOCAB,
@@ -71,6 +80,7 @@ def _llama_pair(rotary_base: int = 10000):
             max_position_embeddings=SEQ,
             rms_norm_eps=1e-6,
             rope_theta=float(rotary_base),
+            rope_scaling=llama3 if scaled else None,
             tie_word_embeddings=False,
             attention_bias=False,
             mlp_bias=False,
@@ -111,6 +121,27 @@ def test_llama_shaped_logits_match_transformers_llama():
     assert _relative_error(mine, theirs) <= 1e-5
 
 
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_llama3_rope_scaling_logits_match_transformers(factor):
+    """``--use-rope-scaling`` is transformers' ``llama3`` rope. Head dim 16 and base 500000 put
+    wavelengths past 8192 (divided by the factor), between 2048 and 8192 (blended) and below 2048
+    (kept), so every branch of the formula is compared; 256 positions (rotary angles need no table)
+    turn the slowed channels far enough to move the logits well past the tolerance."""
+    ours, reference = _llama_pair(rotary_base=500000, rope_scaling_factor=factor)
+    unscaled, scaled = _llama(500000).rotary_pos_emb.inv_freq, ours.rotary_pos_emb.inv_freq
+    assert (scaled < unscaled).sum() >= 2 and (scaled == unscaled).any()
+    torch.testing.assert_close(scaled, reference.model.rotary_emb.inv_freq)
+    tokens = _tokens(batch=1, seq=256)
+    with torch.no_grad():
+        mine = ours(tokens, None).transpose(0, 1)
+        theirs = reference(input_ids=tokens).logits
+        ours.rotary_pos_emb.inv_freq = unscaled
+        without_scaling = ours(tokens, None).transpose(0, 1)
+    assert _relative_error(mine, theirs) <= 1e-5
+    # Unscaled frequencies miss by more than ten times that: the match above is not by chance.
+    assert _relative_error(without_scaling, theirs) > 1e-4
+
+
 def _split_logits_in_world(rank: int, world: int, split: str) -> float:
     """Relative error of this rank's logits, with the world as the TP or the CP group, against the
     same model (same seed: the init does not depend on the layout) in one process."""
@@ -144,9 +175,13 @@ def test_llama_shaped_model_has_llama_parameters_only():
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
 
 
-def test_gpt2_shaped_default_logits_match_transformers_gpt2():
+@pytest.mark.parametrize("hf_activation,activation_func", [("gelu", F.gelu), ("gelu_new", openai_gelu)])
+def test_gpt2_shaped_default_logits_match_transformers_gpt2(hf_activation, activation_func):
+    """Megatron's default exact GELU, and --openai-gelu as GPT-2's own ``gelu_new``."""
     hidden, heads, layers = 64, 4, 2
-    config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads)
+    config = TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, activation_func=activation_func
+    )
     ours = GPTModel(config, VOCAB, SEQ).eval()
     reference = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(
@@ -156,7 +191,7 @@ def test_gpt2_shaped_default_logits_match_transformers_gpt2():
             n_layer=layers,
             n_head=heads,
             n_inner=4 * hidden,
-            activation_function="gelu",  # Megatron's default is the exact GELU, not GPT-2's tanh one
+            activation_function=hf_activation,
             layer_norm_epsilon=1e-5,
             resid_pdrop=0.0,
             embd_pdrop=0.0,
@@ -185,8 +220,10 @@ def test_gpt2_shaped_default_logits_match_transformers_gpt2():
             proj.bias.copy_(torch.randn_like(proj.bias) * 0.1)
             theirs.attn.c_proj.weight.copy_(proj.weight.t())
             theirs.attn.c_proj.bias.copy_(proj.bias)
-            for a, b in ((mine.mlp.linear_fc1, theirs.mlp.c_fc), (mine.mlp.linear_fc2, theirs.mlp.c_proj)):
-                a.bias.copy_(torch.randn_like(a.bias) * 0.1)
+            # fc1's bias puts the activation's inputs around +-1, where the exact and tanh GELU differ.
+            mlp = ((mine.mlp.linear_fc1, theirs.mlp.c_fc, 1.0), (mine.mlp.linear_fc2, theirs.mlp.c_proj, 0.1))
+            for a, b, scale in mlp:
+                a.bias.copy_(torch.randn_like(a.bias) * scale)
                 b.weight.copy_(a.weight.t())
                 b.bias.copy_(a.bias)
         final = ours.decoder.final_layernorm

@@ -36,6 +36,10 @@ class GPTModelProvider(TransformerConfig):
     """Base of the rotary frequencies."""
     seq_len_interpolation_factor: float | None = None
     """Divide rotary positions by this factor (linear position interpolation); None for none."""
+    rope_scaling: bool = False
+    """Scale the rotary frequencies as Llama 3.x does (long wavelengths slowed by rope_scaling_factor)."""
+    rope_scaling_factor: float = 8.0
+    """Llama 3.x's rope scaling factor (8 for Llama 3.1, 32 for Llama 3.2)."""
     apply_rope_fusion: bool = False
     """Fused rotary embeddings (a CUDA kernel; not supported: False)."""
     calculate_per_token_loss: bool = False
@@ -50,6 +54,7 @@ class GPTModelProvider(TransformerConfig):
     # plain class attribute, not a field: checkpoints store the config with ``asdict``, which would
     # try to copy process groups.
     _pg_collection = None
+    _pre_wrap_hooks = ()  # likewise not a field: functions are not checkpointed
 
     @property
     def padded_vocab_size(self) -> int:
@@ -67,7 +72,7 @@ class GPTModelProvider(TransformerConfig):
             pre_process = is_vp_first_stage(vp_stage, vp_size) and is_pp_first_stage(pg_collection.pp)
         if post_process is None:
             post_process = is_vp_last_stage(vp_stage, vp_size) and is_pp_last_stage(pg_collection.pp)
-        return GPTModel(
+        model = GPTModel(
             self,
             self.padded_vocab_size,
             self.max_position_embeddings or self.seq_length,
@@ -75,6 +80,8 @@ class GPTModelProvider(TransformerConfig):
             rotary_percent=self.rotary_percent,
             rotary_base=self.rotary_base,
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+            rope_scaling=self.rope_scaling,
+            rope_scaling_factor=self.rope_scaling_factor,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
@@ -82,3 +89,11 @@ class GPTModelProvider(TransformerConfig):
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )
+        for hook in self._pre_wrap_hooks:
+            model = hook([model])[0]
+        return model
+
+    def register_pre_wrap_hook(self, hook) -> None:
+        """Run ``hook(model_chunks) -> model_chunks`` on each model this provider builds, before it is
+        wrapped for training (as Megatron-Bridge: AutoBridge loads Hugging Face weights this way)."""
+        self._pre_wrap_hooks = [*self._pre_wrap_hooks, hook]

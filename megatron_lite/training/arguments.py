@@ -16,7 +16,8 @@ import warnings
 
 import torch.nn.functional as F
 
-from megatron_lite.core.activations import squared_relu
+from megatron_lite.core.activations import openai_gelu, squared_relu
+from megatron_lite.training.checkpointing.checkpoint_args import model_from_checkpoint
 from megatron_lite.training.config import ConfigContainer, ConfigError
 from megatron_lite.training.config.flags import FLAGS, PROFILING_FLAGS, UNSUPPORTED_FLAGS
 from megatron_lite.training.config.profiling import ProfilingConfig
@@ -166,6 +167,8 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
     if args.max_position_embeddings is None:
         m.max_position_embeddings = max(m.max_position_embeddings or 0, config.dataset.seq_length)
     m.seq_length = config.dataset.seq_length
+    if args.use_checkpoint_args:  # the saved architecture replaces the flags' and what they derived
+        model_from_checkpoint(args, config)
     config.dataset.random_seed = config.rng.seed
     config.optimizer.bf16, config.optimizer.fp16 = m.bf16, m.fp16
     lg = config.logger
@@ -179,9 +182,9 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
 
 
 def _architecture_from_args(args: argparse.Namespace, m) -> None:
-    """The flags that set more than one model field: activations, grouped-query attention,
-    --recompute-activations (upstream's alias of --recompute-granularity selective) and the
-    virtual pipeline size's aliases."""
+    """The flags that set more than one model field or need another: activations, the rope scaling
+    factor, grouped-query attention, --recompute-activations (upstream's alias of
+    --recompute-granularity selective) and the virtual pipeline size's aliases."""
     virtual_pipeline_from_args(args, m)
     if args.recompute_activations:
         if m.recompute_granularity not in (None, "selective"):
@@ -193,6 +196,14 @@ def _architecture_from_args(args: argparse.Namespace, m) -> None:
         if args.swiglu:
             raise ConfigError("--squared-relu", "cannot be combined with --swiglu; choose one activation")
         m.activation_func = squared_relu
+    if args.openai_gelu:
+        if args.swiglu or args.squared_relu:
+            raise ConfigError(
+                "--openai-gelu", "cannot be combined with --swiglu or --squared-relu; choose one activation"
+            )
+        m.activation_func = openai_gelu
+    if args.rope_scaling_factor is not None and not args.use_rope_scaling:
+        raise ConfigError("--rope-scaling-factor", "needs --use-rope-scaling (upstream ignores it without)")
     if args.group_query_attention and args.num_query_groups is None:
         raise ConfigError("--group-query-attention", "needs --num-query-groups G")
     if args.num_query_groups is not None and not args.group_query_attention:

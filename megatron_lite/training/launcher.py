@@ -38,6 +38,17 @@ _SECONDARY = (
 )
 
 
+def report_error(message: str) -> None:
+    """In a worker: hand an error line to the launcher (which prints it once, the first failing rank's),
+    or print it when no launcher started this worker (torchrun)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        with open(path, "w") as f:
+            f.write(message + "\n")
+    else:
+        print(message, file=sys.stderr, flush=True)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -106,3 +106,22 @@ def atomic_write_bytes(path: str, write, needed: int | None = None) -> None:
         if cause is not None and not isinstance(err, WriteFailedError):
             raise WriteFailedError(path, cause, needed) from None
         raise
+
+
+def replace_directory(complete: str, final: str, stale_suffix: str = ".old") -> None:
+    """Put the directory ``complete`` at ``final`` (same filesystem); an existing ``final`` is moved
+    aside and removed only once the new one is in place, and put back if the rename fails."""
+    fsync_dir(complete)
+    if os.path.exists(final):
+        stale = final + stale_suffix
+        shutil.rmtree(stale, ignore_errors=True)
+        os.replace(final, stale)
+        try:
+            os.replace(complete, final)
+        except OSError:
+            os.replace(stale, final)
+            raise
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        os.replace(complete, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))

@@ -5,7 +5,9 @@ by the rank that is 0 in its data x context parallel group (``_YYY`` only with p
 as Megatron names them), ``iter_*/metadata.json`` with the parallel layout, and
 ``DIR/latest_checkpointed_iteration.txt``. ``layout`` names the files, ``save`` writes them, ``load``
 reads them back through ``safety`` (no file can run code), ``compat`` and ``distrib_optim`` check
-what a checkpoint holds against this run, ``rng`` carries the generators' state.
+what a checkpoint holds against this run, ``rng`` carries the generators' state. A weights-only load
+(``--finetune``, ``--pretrained-checkpoint``) of another layout goes through ``reshard``;
+``checkpoint_args`` serves ``--use-checkpoint-args``.
 """
 
 from megatron_lite.training.checkpointing.layout import TRACKER, get_checkpoint_name, read_tracker

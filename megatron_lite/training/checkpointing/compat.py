@@ -23,6 +23,9 @@ _ARCHITECTURE = (
     ("rotary_percent", "--rotary-percent", 1.0),
     ("rotary_base", "--rotary-base", 10000),
     ("rotary_interleaved", "--rotary-interleaved", False),
+    ("seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor", None),
+    ("rope_scaling", "--use-rope-scaling", False),
+    ("rope_scaling_factor", "--rope-scaling-factor", 8.0),
     ("add_bias_linear", "--disable-bias-linear", True),
     ("add_qkv_bias", "--add-qkv-bias", False),
     ("share_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", True),
@@ -34,18 +37,27 @@ def _architecture_value(model, name: str, default=None):
     value = model.get(name, default) if isinstance(model, dict) else getattr(model, name, default)
     if name == "num_query_groups" and value is None:
         value = _architecture_value(model, "num_attention_heads")  # None means one group per head
+    if name == "rope_scaling_factor" and not _architecture_value(model, "rope_scaling", False):
+        return None  # unscaled frequencies do not depend on the factor
     if name == "padded_vocab_size" and isinstance(model, dict):
         multiple = model.get("make_vocab_size_divisible_by", 128) * model.get("tensor_model_parallel_size", 1)
         value = -(-model.get("vocab_size", 0) // multiple) * multiple
     return getattr(value, "__name__", value) if callable(value) else value
 
 
-def _architecture_error(root: str, saved_config: dict, model) -> str | None:
+# A weights-only load reshards the vocabulary for this run's tp: its padding may differ, its words not.
+_RESHARDED_ARCHITECTURE = tuple(f for f in _ARCHITECTURE if f[0] != "padded_vocab_size") + (
+    ("vocab_size", "--vocab-size", None),
+    ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by", 128),
+)
+
+
+def _architecture_error(root: str, saved_config: dict, model, fields=_ARCHITECTURE) -> str | None:
     """One line naming the first architecture field where the checkpoint and this run differ."""
     saved = (saved_config or {}).get("model", {})
     if not saved:
         return None  # a checkpoint without a stored config: the weights' shapes are checked on load
-    for name, flag, default in _ARCHITECTURE:
+    for name, flag, default in fields:
         before, now = _architecture_value(saved, name, default), _architecture_value(model, name, default)
         if before != now:
             return (
@@ -67,13 +79,21 @@ _SPLIT_FIELDS = {
 }
 
 
-def _split_error(root: str, saved_config: dict, model) -> str | None:
-    """One line when the checkpoint's layers sit on other stages or chunks than this run's: the shards
-    hold each stage's own layers, so another split would load the wrong layers' weights."""
+def saved_split(saved_config: dict) -> types.SimpleNamespace | None:
+    """The saving run's layer-split fields, what ``pipeline_layer_counts`` reads; None without a
+    stored config."""
     saved = (saved_config or {}).get("model", {})
     if not saved:
         return None
-    before = types.SimpleNamespace(**{k: saved.get(k, default) for k, default in _SPLIT_FIELDS.items()})
+    return types.SimpleNamespace(**{k: saved.get(k, default) for k, default in _SPLIT_FIELDS.items()})
+
+
+def _split_error(root: str, saved_config: dict, model) -> str | None:
+    """One line when the checkpoint's layers sit on other stages or chunks than this run's: the shards
+    hold each stage's own layers, so another split would load the wrong layers' weights."""
+    before = saved_split(saved_config)
+    if before is None:
+        return None
     if (before.virtual_pipeline_model_parallel_size or 1) != (
         model.virtual_pipeline_model_parallel_size or 1
     ):
@@ -89,10 +109,22 @@ def _split_error(root: str, saved_config: dict, model) -> str | None:
         f"--load {root}: the checkpoint's model chunks hold {saved_counts} layers (per chunk, per stage) "
         f"but this run's hold {counts}; use the saved --decoder-first-pipeline-num-layers, "
         "--decoder-last-pipeline-num-layers, --account-for-*-in-pipeline-split or "
-        "--pipeline-model-parallel-layout flags"
+        "--pipeline-model-parallel-layout flags (--finetune or --pretrained-checkpoint load the weights "
+        "at any split)"
     )
 
 
 def checkpoint_model_error(root: str, saved_config: dict, model) -> str | None:
     """The first architecture or layer-split difference between the checkpoint and this run, or None."""
     return _architecture_error(root, saved_config, model) or _split_error(root, saved_config, model)
+
+
+def resharded_model_error(root: str, saved_config: dict, model) -> str | None:
+    """The first architecture difference for a load that reshards the weights to this run's layout:
+    the vocabulary's size and padding multiple must match, its padding for the tp size need not."""
+    return _architecture_error(root, saved_config, model, _RESHARDED_ARCHITECTURE)
+
+
+def architecture_fields() -> tuple[str, ...]:
+    """The model fields that make a checkpoint's weights another architecture."""
+    return tuple(name for name, _flag, _default in _ARCHITECTURE)

@@ -70,7 +70,7 @@ def layout_error(root: str, saved: dict, current: dict) -> str:
         f"--load {root}: saved with tp={saved.get('tensor_model_parallel_size')}, "
         f"pp={saved.get('pipeline_model_parallel_size')} but this run uses "
         f"tp={current['tensor_model_parallel_size']}, pp={current['pipeline_model_parallel_size']}; "
-        "resume with the saved layout"
+        "resume with the saved layout (--finetune or --pretrained-checkpoint load the weights at any layout)"
     )
 
 
@@ -80,8 +80,8 @@ def layout_differs(saved: dict, current: dict) -> bool:
     )
 
 
-def check_layout(root: str, iteration: int) -> None:
-    """Refuse a checkpoint of another (tp, pp) layout before looking for this rank's shard."""
+def read_metadata(root: str, iteration: int) -> dict:
+    """``iter_*/metadata.json``: the saving run's parallel layout ({} when it holds no object)."""
     path = os.path.join(root, f"iter_{iteration:07d}", METADATA)
     try:
         with open(path) as f:
@@ -90,8 +90,14 @@ def check_layout(root: str, iteration: int) -> None:
         raise CheckpointError(f"--load {root}: iteration {iteration} is incomplete (no {METADATA})") from None
     except (OSError, ValueError):
         raise CheckpointError(f"--load {root}: iteration {iteration} has an unreadable {METADATA}") from None
-    if not isinstance(saved, dict) or layout_differs(saved, parallel_layout()):
-        raise CheckpointError(layout_error(root, saved if isinstance(saved, dict) else {}, parallel_layout()))
+    return saved if isinstance(saved, dict) else {}
+
+
+def check_layout(root: str, iteration: int) -> None:
+    """Refuse a checkpoint of another (tp, pp) layout before looking for this rank's shard."""
+    saved = read_metadata(root, iteration)
+    if layout_differs(saved, parallel_layout()):
+        raise CheckpointError(layout_error(root, saved, parallel_layout()))
 
 
 def my_optimizer_shard(root: str, iteration: int) -> str:

@@ -9,7 +9,11 @@ import torch.distributed as dist
 
 from megatron_lite.core import parallel_state
 from megatron_lite.training.checkpointing.agreement import agree
-from megatron_lite.training.checkpointing.compat import checkpoint_model_error
+from megatron_lite.training.checkpointing.compat import (
+    checkpoint_model_error,
+    resharded_model_error,
+    saved_split,
+)
 from megatron_lite.training.checkpointing.distrib_optim import (
     optimizer_format_error,
     read_distributed_optimizer,
@@ -22,7 +26,14 @@ from megatron_lite.training.checkpointing.layout import (
     layout_error,
     my_optimizer_shard,
     parallel_layout,
+    read_metadata,
     read_tracker,
+)
+from megatron_lite.training.checkpointing.reshard import (
+    describe_layout,
+    read_saved_config,
+    resharded_state,
+    split_differs,
 )
 from megatron_lite.training.checkpointing.rng import set_rng_state
 from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
@@ -63,6 +74,30 @@ def _load_shard(root: str, iteration: int) -> dict:
     return payload
 
 
+def _read_weights(root: str, iteration: int, finetune: bool, model, model_cfg):
+    """``(payload, error, note)``: this rank's payload, the first difference that refuses it, and the
+    line announcing a reshard (None when the checkpoint's layout is this run's). A full resume reads
+    its own shard of the saved layout only; a weights-only load takes the weights of any layout."""
+    if finetune and layout_differs(read_metadata(root, iteration), parallel_layout()):
+        saved_config = read_saved_config(root, iteration)
+    else:
+        check_layout(root, iteration)
+        payload = _load_shard(root, iteration)
+        if not (finetune and split_differs(payload.get("config"), model_cfg)):
+            return payload, checkpoint_model_error(root, payload.get("config"), model_cfg), None
+        saved_config = payload.pop("config")
+        del payload  # its tensors are read again stage by stage; keep one copy in memory at a time
+    error = resharded_model_error(root, saved_config, model_cfg)
+    if error:
+        return None, error, None
+    saved_tp = saved_config["model"].get("tensor_model_parallel_size", 1)
+    note = (
+        f" resharding checkpoint weights from {describe_layout(saved_tp, saved_split(saved_config))} "
+        f"to {describe_layout(model_cfg.tensor_model_parallel_size, model_cfg)}"
+    )
+    return resharded_state(root, iteration, saved_config, model, model_cfg), None, note
+
+
 def _chosen_iteration(root: str, step: int) -> int:
     """``--ckpt-step``: that iteration of ``root``, which must be there."""
     if not os.path.isdir(os.path.join(root, f"iter_{step:07d}")):
@@ -73,7 +108,7 @@ def _chosen_iteration(root: str, step: int) -> int:
     return step
 
 
-def _resolve(cfg) -> tuple[str | None, int | None, bool]:
+def resolve_checkpoint(cfg) -> tuple[str | None, int | None, bool]:
     """Where to load from, which iteration (None: start fresh) and whether weights only, as upstream:
     ``load`` when it holds a checkpoint (its ``ckpt_step`` or latest), else ``pretrained_checkpoint``
     (its latest, weights only). ``--ckpt-step`` names an iteration of ``load`` only; a ``load`` with
@@ -97,14 +132,12 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
     starting fresh). Collective."""
     cfg = state.cfg.checkpoint
     root, payload, param_state, error, iteration, finetune = cfg.load, None, None, None, None, cfg.finetune
-    schedule_error = None
+    schedule_error, reshard_note = None, None
     # Every file is read and checked before any state changes; every rank hears of any rank's error.
     try:
-        root, iteration, finetune = _resolve(cfg)
+        root, iteration, finetune = resolve_checkpoint(cfg)
         if iteration is not None:
-            check_layout(root, iteration)
-            payload = _load_shard(root, iteration)
-            error = checkpoint_model_error(root, payload.get("config"), state.cfg.model)
+            payload, error, reshard_note = _read_weights(root, iteration, finetune, model, state.cfg.model)
             if error is None and cfg.load_optim and not finetune:
                 optimizer_shard = my_optimizer_shard(root, iteration)
                 error = optimizer_format_error(root, iteration, payload, optimizer, optimizer_shard)
@@ -148,6 +181,8 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
         if dist.get_rank() == 0:
             print(f" no checkpoint found in {root}; starting from scratch", flush=True)
         return 0
+    if reshard_note and dist.get_rank() == 0:
+        print(reshard_note, flush=True)
     try:
         _load_model_state(model, payload)
         if not finetune:

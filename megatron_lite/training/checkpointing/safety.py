@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import warnings
+import zipfile
 
 import numpy as np
 import torch
@@ -108,19 +109,22 @@ def _unpickler_reason(err: Exception) -> str:
     return reason.group(1).strip().splitlines()[0][:100] if reason else "an unsupported pickle"
 
 
-def load_checkpoint_file(path: str, root: str, legacy: bool = True):
+def load_checkpoint_file(path: str, root: str, legacy: bool = True, mmap: bool = False):
     """``torch.load`` of one of our checkpoint files, never running code from it.
 
     ``legacy``: also allow what older megatron_lite versions wrote into this kind of file
-    (LEGACY_GLOBALS; only model_optim_rng.pt ever held them). Raises CheckpointError (one line,
-    naming ``path`` relative to ``root``) for a file that holds a type megatron_lite does not write,
-    and for a corrupt or truncated file.
+    (LEGACY_GLOBALS; only model_optim_rng.pt ever held them). ``mmap``: map the tensors' storages
+    instead of reading them, so that a caller taking a few tensors (or only the config) of a big
+    shard reads only those pages (a file of torch's older, non-zip format is read whole). Raises
+    CheckpointError (one line, naming ``path`` relative to ``root``) for a file that holds a type
+    megatron_lite does not write, and for a corrupt or truncated file.
     """
     shard = os.path.relpath(path, root)
     try:
         with torch.serialization.safe_globals(LEGACY_GLOBALS if legacy else []), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's note on pickle protocols: the refusal says it all
-            return torch.load(path, map_location="cpu", weights_only=True)
+            mmap = mmap and zipfile.is_zipfile(path)  # torch maps only its zip format
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         if "weights only load failed" not in str(err).lower():
             raise CheckpointError(

@@ -27,7 +27,7 @@ from megatron_lite.training.checkpointing.layout import (
 )
 from megatron_lite.training.checkpointing.rng import rng_state
 from megatron_lite.training.checkpointing.safety import plain
-from megatron_lite.utils.atomic_io import atomic_write_bytes, fsync_dir, write_error_line
+from megatron_lite.utils.atomic_io import atomic_write_bytes, fsync_dir, replace_directory, write_error_line
 
 # Fault-injection tests widen the window between writing the shards and committing them.
 _TEST_DELAY_BEFORE_COMMIT_S = float(os.environ.get("MEGATRON_LITE_TEST_SAVE_DELAY_S", "0"))
@@ -65,11 +65,18 @@ def _nbytes(obj) -> int:
     return sum(storages.values())
 
 
+def write_shard(tmp_root: str, payload: dict) -> str:
+    """This rank's ``model_optim_rng.pt`` under ``tmp_root``, written atomically; returns its path."""
+    path = os.path.join(tmp_root, my_shard_name(), "model_optim_rng.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write_bytes(path, lambda f: torch.save(payload, f), _nbytes(payload))
+    fsync_dir(os.path.dirname(path))
+    return path
+
+
 def _write_shards(state, model, optimizer, scheduler, tmp_root: str, param_state) -> None:
     iteration = state.train_state.step
     if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
-        path = os.path.join(tmp_root, my_shard_name(), "model_optim_rng.pt")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         payload = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
@@ -81,8 +88,7 @@ def _write_shards(state, model, optimizer, scheduler, tmp_root: str, param_state
             "parallel_layout": parallel_layout(),
             "config": plain(state.cfg),
         }
-        atomic_write_bytes(path, lambda f: torch.save(payload, f), _nbytes(payload))
-        fsync_dir(os.path.dirname(path))
+        path = write_shard(tmp_root, payload)
         if param_state is not None:  # the distributed optimizer's shards, beside the model's
             optim_path = get_distributed_optimizer_checkpoint_name(path)
             atomic_write_bytes(optim_path, lambda f: torch.save(param_state, f), _nbytes(param_state))
@@ -95,21 +101,7 @@ def _write_shards(state, model, optimizer, scheduler, tmp_root: str, param_state
 
 def _commit(root: str, tmp_root: str, iteration: int) -> None:
     """Rank 0: rename the complete save into place; a failure puts back what was there."""
-    final_dir = os.path.join(root, f"iter_{iteration:07d}")
-    fsync_dir(tmp_root)
-    if os.path.exists(final_dir):  # re-saving an iteration: keep the old one until the new is in place
-        stale = final_dir + ".old"
-        shutil.rmtree(stale, ignore_errors=True)
-        os.replace(final_dir, stale)
-        try:
-            os.replace(tmp_root, final_dir)
-        except OSError:
-            os.replace(stale, final_dir)
-            raise
-        shutil.rmtree(stale, ignore_errors=True)
-    else:
-        os.replace(tmp_root, final_dir)
-    fsync_dir(root)
+    replace_directory(tmp_root, os.path.join(root, f"iter_{iteration:07d}"))
 
 
 def _save_error(root: str, iteration: int, err: Exception) -> str:

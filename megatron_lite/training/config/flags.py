@@ -184,8 +184,17 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         int,
         "Divide rotary positions by this factor.",
     ),
+    (
+        "--use-rope-scaling",
+        "model",
+        "rope_scaling",
+        "store_true",
+        "Llama 3.x's rotary frequency scaling (with --position-embedding-type rope).",
+    ),
+    ("--rope-scaling-factor", "model", "rope_scaling_factor", float, "Llama 3.x's rope scaling factor."),
     ("--swiglu", "model", "gated_linear_unit", "store_true", "Gated SiLU MLP (SwiGLU)."),
     ("--squared-relu", "model", None, "store_true", "relu(x)^2 activation."),
+    ("--openai-gelu", "model", None, "store_true", "GELU's tanh approximation (GPT-2's gelu_new)."),
     (
         "--group-query-attention",
         "model",
@@ -368,6 +377,13 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "pretrained_checkpoint",
         str,
         "Finetune from this checkpoint when --load holds none.",
+    ),
+    (
+        "--use-checkpoint-args",
+        "checkpoint",
+        None,
+        "store_true",
+        "Take the model's architecture from the checkpoint to load (--load, else --pretrained-checkpoint).",
     ),
     (
         "--load-main-params-from-ckpt",

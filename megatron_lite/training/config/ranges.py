@@ -81,6 +81,7 @@ RANGES: dict[str, Range] = {
     "--layernorm-epsilon": POSITIVE,
     "--rotary-percent": Range(low=0.0, high=1.0, low_open=True, integer=False),
     "--rotary-base": Range(low=2),  # base 1 would give every channel pair the same frequency
+    "--rope-scaling-factor": Range(low=1.0, integer=False),  # 1: the frequencies unchanged
     "--hidden-dropout": PROBABILITY,  # 0: no dropout (the default)
     "--attention-dropout": PROBABILITY,
     # Parallel layout

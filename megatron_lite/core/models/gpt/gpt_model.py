@@ -37,6 +37,8 @@ class GPTModel(nn.Module):
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,
         seq_len_interpolation_factor: float | None = None,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
         seed: int = 1234,
         pg_collection: ProcessGroupCollection | None = None,
         vp_stage: int | None = None,
@@ -72,6 +74,8 @@ class GPTModel(nn.Module):
                 rotary_interleaved=config.rotary_interleaved,
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
                 rotary_base=rotary_base,
+                rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor,
                 use_cpu_initialization=config.use_cpu_initialization,
                 cp_group=cp_group,
             )

@@ -30,6 +30,11 @@ def check_architecture(cfg) -> None:
         raise ConfigError("--kv-channels", f"must be a positive integer, got {m.kv_channels}")
     if position_type == "rope":
         _check_rotary(m)
+    elif getattr(m, "rope_scaling", False):
+        raise ConfigError(
+            "--use-rope-scaling",
+            f"scales rotary frequencies: it needs --position-embedding-type rope, not {position_type!r}",
+        )
     groups = m.num_query_groups or m.num_attention_heads
     if groups <= 0:
         raise ConfigError("--num-query-groups", f"must be a positive integer, got {groups}")

@@ -4,10 +4,13 @@
 ``[s_local, 1, 1, rot_dim]``; ``rope_utils.apply_rotary_pos_emb`` rotates the first ``rot_dim``
 channels of each query / key head by them and passes the rest through (``rotary_percent`` < 1).
 Under context parallelism the angles are those of the rank's global positions (chunks ``r`` and
-``2 cp - 1 - r``), so every layout rotates a token exactly as one process does.
+``2 cp - 1 - r``), so every layout rotates a token exactly as one process does. ``rope_scaling``
+slows the low frequencies as Llama 3.x does (``_apply_scaling``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -18,7 +21,8 @@ from megatron_lite.core.utils import cp_positions
 
 class RotaryEmbedding(nn.Module):
     """Angles ``position * base^(-2i / rot_dim)`` for ``rot_dim = int(kv_channels * rotary_percent)``.
-    Holds no parameters (the inverse frequencies are a non-persistent buffer)."""
+    Holds no parameters (the inverse frequencies are a non-persistent buffer). ``rope_scaling``
+    rescales them as Llama 3.x (``--use-rope-scaling``, ``--rope-scaling-factor``)."""
 
     def __init__(
         self,
@@ -28,14 +32,11 @@ class RotaryEmbedding(nn.Module):
         seq_len_interpolation_factor: float | None = None,
         rotary_base: int = 10000,
         rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
         use_cpu_initialization: bool = False,
         cp_group=None,
     ):
         super().__init__()
-        if rope_scaling:
-            raise NotImplementedError(
-                "rope_scaling (Llama 3.1 frequency scaling) is not supported by megatron_lite"
-            )
         dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
@@ -44,7 +45,33 @@ class RotaryEmbedding(nn.Module):
             "cpu" if use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         )
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        if rope_scaling:
+            inv_freq = self._apply_scaling(inv_freq, factor=rope_scaling_factor)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply_scaling(
+        self,
+        freqs: torch.Tensor,
+        factor: float = 8,
+        low_freq_factor: float = 1,
+        high_freq_factor: float = 4,
+        original_max_position_embeddings: int = 8192,
+    ) -> torch.Tensor:
+        """Llama 3.x's frequencies (upstream's signature and formula, as transformers' ``llama3``):
+        wavelengths shorter than ``original / high_freq_factor`` are kept, those longer than
+        ``original / low_freq_factor`` divided by ``factor``, and the ones between blended smoothly,
+        so the model stretches its long-range channels only and keeps its local ones."""
+        low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+        high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+        wavelen = 2 * math.pi / freqs
+        scaled = torch.where(wavelen > low_freq_wavelen, freqs / factor, freqs)
+        # 0 at the low-frequency end, 1 at the high-frequency end of the band between them.
+        smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
         """Angles of this rank's positions of a ``max_seq_len``-token sequence (the global length)."""

@@ -1,0 +1,102 @@
+"""Hugging Face directory <-> megatron_lite checkpoint, on the ranks of a running world (what
+``tools/checkpoint_conversion.py`` starts): Megatron-Bridge's ``import_ckpt`` / ``export_ckpt``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from megatron_lite.bridge.models.conversion.errors import BridgeError
+from megatron_lite.core import parallel_state
+from megatron_lite.training.checkpointing.compat import checkpoint_model_error
+from megatron_lite.training.checkpointing.layout import METADATA, get_checkpoint_name, read_tracker
+from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
+from megatron_lite.training.checkpointing.weights_only import save_model_weights
+
+# The saved model's fields that place its layers on stages and chunks: the export rebuilds them.
+_SPLIT = (
+    "virtual_pipeline_model_parallel_size",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
+
+
+def saved_layout(megatron_path: str) -> tuple[int, dict]:
+    """The latest iteration of a checkpoint and its metadata.json (tp and pp sizes)."""
+    iteration = read_tracker(megatron_path, flag="--megatron-path")
+    if iteration is None:
+        raise BridgeError(f"--megatron-path {megatron_path}: holds no checkpoint")
+    try:
+        with open(os.path.join(megatron_path, f"iter_{iteration:07d}", METADATA)) as f:
+            return iteration, json.load(f)
+    except (OSError, ValueError):
+        raise BridgeError(
+            f"--megatron-path {megatron_path}: iteration {iteration} has no readable {METADATA}"
+        ) from None
+
+
+def import_ckpt(bridge, megatron_path: str, show_progress: bool = False) -> None:
+    """Build this rank's stage from the bridge's config.json, read its weights from the Hugging Face
+    files, and write it as iteration 0 of ``megatron_path``. Collective; parallel_state initialized."""
+    provider = bridge.to_megatron_provider(load_weights=False)
+    provider.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
+    provider.pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
+    provider.perform_initialization = False  # every weight is read from the files next
+    model = provider.provide()
+    bridge.load_hf_weights([model], show_progress=show_progress)
+    save_model_weights(megatron_path, [model], provider, iteration=0)
+
+
+def export_provider(bridge, megatron_path: str, saved_config: dict | None):
+    """The provider of the bridge's config.json at this world's layout with the checkpoint's layer
+    split; BridgeError when config.json is not the checkpoint's architecture."""
+    saved = (saved_config or {}).get("model") or {}
+    if saved.get("pipeline_model_parallel_layout") is not None:
+        raise BridgeError(
+            f"--megatron-path {megatron_path}: exporting a --pipeline-model-parallel-layout run is not supported"
+        )
+    provider = bridge.to_megatron_provider(load_weights=False)
+    provider.tensor_model_parallel_size = saved.get("tensor_model_parallel_size", 1)
+    provider.pipeline_model_parallel_size = saved.get("pipeline_model_parallel_size", 1)
+    provider.perform_initialization = False  # the checkpoint's weights replace them
+    for name in _SPLIT:
+        if name in saved:
+            setattr(provider, name, saved[name])
+    error = checkpoint_model_error(megatron_path, saved_config, provider)
+    if error:
+        error = error.replace("--load", "--megatron-path").split("; use the")[0]
+        raise BridgeError(f"{error}; --hf-model must be the model it was imported from")
+    return provider
+
+
+def export_ckpt(bridge, megatron_path: str, hf_path: str, show_progress: bool = False) -> None:
+    """Load this rank's shard of ``megatron_path``'s latest iteration (saved at this world's layout)
+    into a model of the bridge's config.json and write the Hugging Face directory. Collective."""
+    iteration, _ = saved_layout(megatron_path)
+    shard = get_checkpoint_name(
+        megatron_path,
+        iteration,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    try:
+        payload = load_checkpoint_file(shard, megatron_path, mmap=True)
+    except FileNotFoundError:
+        raise BridgeError(f"--megatron-path {megatron_path}: iteration {iteration} has no {shard}") from None
+    except CheckpointError as err:
+        raise BridgeError(str(err)) from None
+    provider = export_provider(bridge, megatron_path, payload.get("config"))
+    vp = provider.virtual_pipeline_model_parallel_size
+    chunks = [provider.provide(vp_stage=i if vp else None) for i in range(vp or 1)]
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for key, chunk in zip(keys, chunks):
+        try:
+            chunk.load_state_dict(payload[key])
+        except (KeyError, RuntimeError) as err:
+            raise BridgeError(
+                f"--megatron-path {megatron_path}: {shard} does not fit the model ({str(err).splitlines()[0]})"
+            ) from None
+    bridge.save_hf_pretrained(chunks, hf_path, show_progress=show_progress)

@@ -1,0 +1,1 @@
+"""Megatron-Bridge's layout: megatron.bridge.models.hf_pretrained."""

@@ -1,0 +1,5 @@
+"""Llama."""
+
+from megatron_lite.bridge.models.llama.llama_bridge import LlamaBridge
+
+__all__ = ["LlamaBridge"]

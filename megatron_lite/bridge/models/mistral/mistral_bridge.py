@@ -1,0 +1,39 @@
+"""Mistral: Llama's shape; its sliding-window attention is refused (megatron_lite attends to the whole
+causal context), unless the window covers every position the model takes."""
+
+from __future__ import annotations
+
+from megatron_lite.bridge.models.conversion.hf_config import HFConfig
+from megatron_lite.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+from megatron_lite.bridge.models.conversion.model_bridge import MegatronModelBridge
+from megatron_lite.bridge.models.llama.llama_bridge import (
+    LLAMA_DEFAULTS,
+    llama_like_kwargs,
+    llama_like_registry,
+)
+
+MISTRAL_DEFAULTS = {
+    **LLAMA_DEFAULTS,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096 * 32,
+    "sliding_window": 4096,
+}
+
+
+@MegatronModelBridge.register_bridge("mistral")
+class MistralBridge(MegatronModelBridge):
+    """``MistralForCausalLM``."""
+
+    def provider_kwargs(self, hf: dict) -> dict:
+        cfg = HFConfig(hf, MISTRAL_DEFAULTS)
+        window = hf.get("sliding_window", MISTRAL_DEFAULTS["sliding_window"])
+        if window is not None and window < cfg["max_position_embeddings"]:
+            raise cfg.refuse(
+                "sliding_window",
+                "sliding-window attention is not supported; set it to null in config.json to train with "
+                "full causal attention",
+            )
+        return llama_like_kwargs(cfg)
+
+    def mapping_registry(self, config) -> MegatronMappingRegistry:
+        return llama_like_registry(config)
