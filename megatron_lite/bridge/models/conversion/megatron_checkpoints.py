@@ -99,4 +99,5 @@ def export_ckpt(bridge, megatron_path: str, hf_path: str, show_progress: bool = 
             raise BridgeError(
                 f"--megatron-path {megatron_path}: {shard} does not fit the model ({str(err).splitlines()[0]})"
             ) from None
+    del payload  # its mapped pages would count against this rank for the whole export
     bridge.save_hf_pretrained(chunks, hf_path, show_progress=show_progress)

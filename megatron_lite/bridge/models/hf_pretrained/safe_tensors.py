@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from megatron_lite.bridge.models.conversion.errors import BridgeError
 
@@ -85,34 +85,74 @@ def _opened(file: str, use):
         raise BridgeError(f"{file}: not a readable safetensors file ({str(err).splitlines()[0]})") from None
 
 
+# safetensors' dtype names.
+_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
 class ShardedWriter:
-    """Collects tensors into files of at most ``max_shard_bytes`` (a tensor larger than that gets a file
-    of its own), then names them as ``transformers`` does and writes the index."""
+    """Streams tensors into files of at most ``max_shard_bytes`` (a tensor larger than that gets a file
+    of its own), then names them as ``transformers`` does and writes the index.
+
+    A safetensors file starts with a header of every tensor's offsets, so each tensor's bytes go to a
+    spool file as they arrive; when the file is full its header is written and the spool copied in
+    after it. Memory holds one tensor, never a file's worth.
+    """
 
     def __init__(self, directory: str, max_shard_bytes: int):
         self.directory, self.max_shard_bytes = directory, max_shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
+        self.header: dict[str, dict] = {}
+        self.spool = None
         self.pending_bytes = 0
         self.files: list[tuple[str, list[str]]] = []  # (temporary file name, its tensors)
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
+        if self.header and self.pending_bytes + size > self.max_shard_bytes:
             self._flush()
-        self.pending[name] = tensor.detach().contiguous().cpu()
+        if self.spool is None:
+            self.spool = open(os.path.join(self.directory, f"spool-{len(self.files):05d}"), "w+b")
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.spool.write(memoryview(data))
+        self.header[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [self.pending_bytes, self.pending_bytes + size],
+        }
         self.pending_bytes += size
         self.total_bytes += size
 
     def _flush(self) -> None:
         temp = f"part-{len(self.files):05d}.safetensors"
-        save_file(self.pending, os.path.join(self.directory, temp), metadata={"format": "pt"})
-        self.files.append((temp, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the tensors' bytes start 8-aligned, as the reference writer's
+        with open(os.path.join(self.directory, temp), "wb") as out:
+            out.write(len(header).to_bytes(8, "little"))
+            out.write(header)
+            if self.spool is not None:
+                self.spool.seek(0)
+                shutil.copyfileobj(self.spool, out, 16 * 1024**2)
+            out.flush()
+            os.fsync(out.fileno())
+        if self.spool is not None:
+            self.spool.close()
+            os.remove(self.spool.name)
+        self.files.append((temp, list(self.header)))
+        self.header, self.spool, self.pending_bytes = {}, None, 0
 
     def close(self) -> list[str]:
         """Write what is pending, give the files their final names; returns those names."""
-        if self.pending or not self.files:
+        if self.header or not self.files:
             self._flush()
         count = len(self.files)
         names = (
