@@ -116,7 +116,7 @@ def worker_main(argv: list[str]) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if dist.is_initialized() is False and os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", "0") == "0":
         where = args.megatron_path if args.command == "import" else args.hf_path
         print(f" {args.command}: wrote {where}", flush=True)
     return 0

@@ -26,6 +26,11 @@ def get_checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, p
     )
 
 
+def model_keys(chunks: int) -> list[str]:
+    """Upstream's payload keys: ``model`` for one chunk, ``model0``, ``model1``, ... for virtual stages."""
+    return ["model"] if chunks == 1 else [f"model{i}" for i in range(chunks)]
+
+
 def my_shard_name() -> str:
     return shard_name(
         parallel_state.get_tensor_model_parallel_rank(),
@@ -80,16 +85,16 @@ def layout_differs(saved: dict, current: dict) -> bool:
     )
 
 
-def read_metadata(root: str, iteration: int) -> dict:
+def read_metadata(root: str, iteration: int, flag: str = "--load") -> dict:
     """``iter_*/metadata.json``: the saving run's parallel layout ({} when it holds no object)."""
     path = os.path.join(root, f"iter_{iteration:07d}", METADATA)
     try:
         with open(path) as f:
             saved = json.load(f)
     except FileNotFoundError:
-        raise CheckpointError(f"--load {root}: iteration {iteration} is incomplete (no {METADATA})") from None
+        raise CheckpointError(f"{flag} {root}: iteration {iteration} is incomplete (no {METADATA})") from None
     except (OSError, ValueError):
-        raise CheckpointError(f"--load {root}: iteration {iteration} has an unreadable {METADATA}") from None
+        raise CheckpointError(f"{flag} {root}: iteration {iteration} has an unreadable {METADATA}") from None
     return saved if isinstance(saved, dict) else {}
 
 

@@ -24,6 +24,7 @@ from megatron_lite.training.checkpointing.layout import (
     get_checkpoint_name,
     layout_differs,
     layout_error,
+    model_keys,
     my_optimizer_shard,
     parallel_layout,
     read_metadata,
@@ -40,9 +41,11 @@ from megatron_lite.training.checkpointing.safety import CheckpointError, load_ch
 from megatron_lite.training.checkpointing.save import model_chunks
 
 
-def _load_model_state(model, payload: dict) -> None:
+def load_model_state(model, payload: dict) -> None:
+    """The payload's ``model`` / ``model<i>`` state dicts into the model chunks (ValueError naming the
+    missing ones, RuntimeError from ``load_state_dict`` for entries that do not fit)."""
     chunks = model_chunks(model)
-    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    keys = model_keys(len(chunks))
     missing = [k for k in keys if k not in payload]
     if missing:
         saved = sorted(k for k in payload if k.startswith("model"))
@@ -184,7 +187,7 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
     if reshard_note and dist.get_rank() == 0:
         print(reshard_note, flush=True)
     try:
-        _load_model_state(model, payload)
+        load_model_state(model, payload)
         if not finetune:
             state.train_state.load_state_dict(payload["train_state"])
             if cfg.load_optim:

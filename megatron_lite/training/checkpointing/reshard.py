@@ -26,7 +26,7 @@ from megatron_lite.core.models.gpt.state_dict_sharding import (
 )
 from megatron_lite.core.transformer.pipeline_layer_split import chunk_layer_offset, pipeline_layer_counts
 from megatron_lite.training.checkpointing.compat import saved_split
-from megatron_lite.training.checkpointing.layout import get_checkpoint_name, read_metadata
+from megatron_lite.training.checkpointing.layout import get_checkpoint_name, model_keys, read_metadata
 from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
 from megatron_lite.training.checkpointing.save import model_chunks
 
@@ -162,7 +162,7 @@ def resharded_state(root: str, iteration: int, saved_config: dict, model, model_
             root, iteration, tp_size, stage, pp_size, range(tp_size) if split_keys else [0]
         )
         for c, key, like, saved_chunk, saved_key in wanted[stage]:
-            model_key = "model" if saved_chunks == 1 else f"model{saved_chunk}"
+            model_key = model_keys(saved_chunks)[saved_chunk]
             parts = [None if s is None else s.get(model_key, {}).get(saved_key) for s in shards]
             if tp_split_dim(saved_key) is None:
                 parts = parts[:1]
@@ -187,5 +187,4 @@ def resharded_state(root: str, iteration: int, saved_config: dict, model, model_
                 )
             states[c][key] = mine
         del shards  # one saved stage at a time
-    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    return dict(zip(keys, states))
+    return dict(zip(model_keys(len(chunks)), states))

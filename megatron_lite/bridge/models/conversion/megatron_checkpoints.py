@@ -3,38 +3,24 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 from megatron_lite.bridge.models.conversion.errors import BridgeError
 from megatron_lite.core import parallel_state
-from megatron_lite.training.checkpointing.compat import checkpoint_model_error
-from megatron_lite.training.checkpointing.layout import METADATA, get_checkpoint_name, read_tracker
+from megatron_lite.training.checkpointing.compat import checkpoint_model_error, saved_split
+from megatron_lite.training.checkpointing.layout import get_checkpoint_name, read_metadata, read_tracker
+from megatron_lite.training.checkpointing.load import load_model_state
 from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
 from megatron_lite.training.checkpointing.weights_only import save_model_weights
-
-# The saved model's fields that place its layers on stages and chunks: the export rebuilds them.
-_SPLIT = (
-    "virtual_pipeline_model_parallel_size",
-    "num_layers_in_first_pipeline_stage",
-    "num_layers_in_last_pipeline_stage",
-    "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split",
-)
 
 
 def saved_layout(megatron_path: str) -> tuple[int, dict]:
     """The latest iteration of a checkpoint and its metadata.json (tp and pp sizes)."""
-    iteration = read_tracker(megatron_path, flag="--megatron-path")
-    if iteration is None:
-        raise BridgeError(f"--megatron-path {megatron_path}: holds no checkpoint")
     try:
-        with open(os.path.join(megatron_path, f"iter_{iteration:07d}", METADATA)) as f:
-            return iteration, json.load(f)
-    except (OSError, ValueError):
-        raise BridgeError(
-            f"--megatron-path {megatron_path}: iteration {iteration} has no readable {METADATA}"
-        ) from None
+        iteration = read_tracker(megatron_path, flag="--megatron-path")
+        if iteration is None:
+            raise BridgeError(f"--megatron-path {megatron_path}: holds no checkpoint")
+        return iteration, read_metadata(megatron_path, iteration, flag="--megatron-path")
+    except CheckpointError as err:
+        raise BridgeError(str(err)) from None
 
 
 def import_ckpt(bridge, megatron_path: str, show_progress: bool = False) -> None:
@@ -46,7 +32,7 @@ def import_ckpt(bridge, megatron_path: str, show_progress: bool = False) -> None
     provider.perform_initialization = False  # every weight is read from the files next
     model = provider.provide()
     bridge.load_hf_weights([model], show_progress=show_progress)
-    save_model_weights(megatron_path, [model], provider, iteration=0)
+    save_model_weights(megatron_path, [model], provider, iteration=0, flag="--megatron-path")
 
 
 def export_provider(bridge, megatron_path: str, saved_config: dict | None):
@@ -61,9 +47,9 @@ def export_provider(bridge, megatron_path: str, saved_config: dict | None):
     provider.tensor_model_parallel_size = saved.get("tensor_model_parallel_size", 1)
     provider.pipeline_model_parallel_size = saved.get("pipeline_model_parallel_size", 1)
     provider.perform_initialization = False  # the checkpoint's weights replace them
-    for name in _SPLIT:
-        if name in saved:
-            setattr(provider, name, saved[name])
+    for name, value in vars(saved_split(saved_config) or {}).items():
+        if name != "num_layers":  # the architecture check compares config.json's with the saved one
+            setattr(provider, name, value)
     error = checkpoint_model_error(megatron_path, saved_config, provider)
     if error:
         error = error.replace("--load", "--megatron-path").split("; use the")[0]
@@ -91,13 +77,11 @@ def export_ckpt(bridge, megatron_path: str, hf_path: str, show_progress: bool = 
     provider = export_provider(bridge, megatron_path, payload.get("config"))
     vp = provider.virtual_pipeline_model_parallel_size
     chunks = [provider.provide(vp_stage=i if vp else None) for i in range(vp or 1)]
-    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    for key, chunk in zip(keys, chunks):
-        try:
-            chunk.load_state_dict(payload[key])
-        except (KeyError, RuntimeError) as err:
-            raise BridgeError(
-                f"--megatron-path {megatron_path}: {shard} does not fit the model ({str(err).splitlines()[0]})"
-            ) from None
+    try:
+        load_model_state(chunks, payload)
+    except (ValueError, RuntimeError) as err:
+        raise BridgeError(
+            f"--megatron-path {megatron_path}: {shard} does not fit the model ({str(err).splitlines()[0]})"
+        ) from None
     del payload  # its mapped pages would count against this rank for the whole export
     bridge.save_hf_pretrained(chunks, hf_path, show_progress=show_progress)
