@@ -121,18 +121,18 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     return [results[r] for r in range(world_size)]
 
 
-def _pretrain_main(args: list[str], cwd: str, env: dict, out_path: str, err_path: str) -> None:
-    """In a process forked from the server: what ``python pretrain.py ARGS`` does, run as ``__main__``."""
+def _script_main(script: str, args: list[str], cwd: str, env: dict, out_path: str, err_path: str) -> None:
+    """In a process forked from the server: what ``python SCRIPT ARGS`` does, run as ``__main__``."""
     for path, fd in ((out_path, 1), (err_path, 2)):
         with open(path, "w") as f:
             os.dup2(f.fileno(), fd)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = [PRETRAIN, *args]
+    sys.argv = [script, *args]
     code = 1
     try:
-        runpy.run_path(PRETRAIN, run_name="__main__")
+        runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as stop:  # as the interpreter does: an int is the status, anything else printed
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
@@ -146,23 +146,31 @@ def _pretrain_main(args: list[str], cwd: str, env: dict, out_path: str, err_path
         os._exit(code)
 
 
-def run_pretrain(args: list[str], cwd, *, env: dict | None = None, timeout: float = 240.0):
-    """Run ``python pretrain.py ARGS`` as a user would (its own process, its own cwd, environment and
+def run_script(script, args: list[str], cwd, *, env: dict | None = None, timeout: float = 240.0):
+    """Run ``python SCRIPT ARGS`` as a user would (its own process, its own cwd, environment and
     output); returns a CompletedProcess. The process is forked from the preloaded server rather than
     started afresh, which saves each job the import of torch and the framework."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     full_env.update(env or {})
+    script = str(script)
     with tempfile.TemporaryDirectory(prefix="megatron_lite_run_") as tmp:
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        proc = _context().Process(target=_pretrain_main, args=(args, str(cwd), full_env, out_path, err_path))
+        proc = _context().Process(
+            target=_script_main, args=(script, args, str(cwd), full_env, out_path, err_path)
+        )
         proc.start()
         proc.join(timeout)
         if proc.is_alive():
             proc.kill()  # its workers die with it (the launcher sets their parent-death signal)
             proc.join()
-            raise subprocess.TimeoutExpired([PRETRAIN, *args], timeout)
+            raise subprocess.TimeoutExpired([script, *args], timeout)
         stdout, stderr = (Path(p).read_text(errors="replace") for p in (out_path, err_path))
-    return subprocess.CompletedProcess([sys.executable, PRETRAIN, *args], proc.exitcode, stdout, stderr)
+    return subprocess.CompletedProcess([sys.executable, script, *args], proc.exitcode, stdout, stderr)
+
+
+def run_pretrain(args: list[str], cwd, *, env: dict | None = None, timeout: float = 240.0):
+    """``python pretrain.py ARGS`` through ``run_script``."""
+    return run_script(PRETRAIN, args, cwd, env=env, timeout=timeout)
 
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|")

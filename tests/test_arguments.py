@@ -45,7 +45,8 @@ BAD_INPUT = [
     (["--hidden-dropout", "1.5"], "--hidden-dropout"),
     (["--train-samples", "160", "--train-iters", "5"], "--train-samples"),
     (["--lr-decay-samples", "100"], "--lr-decay-samples"),
-    (["--save", "ck", "--ckpt-format", "torch_dist"], "--ckpt-format"),
+    (["--save", "ck", "--ckpt-format", "zarr"], "--ckpt-format"),
+    (["--save", "ck", "--async-save"], "--async-save"),  # torch_dist only, as upstream
     (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups"),
     (
         ["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"],

@@ -16,6 +16,7 @@ import transformers
 from bridge_helpers import relative_error
 from corpus_helpers import make_corpus
 from dist_helpers import REPO, parse_losses, run_pretrain, run_world
+from safetensors.torch import load_file
 
 CONVERT = str(REPO / "tools" / "checkpoint_conversion.py")
 SEQ, MBS, GBS, ITERS = 32, 2, 4, 4
@@ -91,24 +92,16 @@ def _first_batch_loss(rank, world, model_dir, prefix) -> float:
 
 
 def _trained_logits(rank, world, ckpt, exported) -> float:
-    """megatron_lite's logits of the trained pp 2 checkpoint (its two stages' weights read from the files,
-    layer numbers made whole) against transformers' of the exported directory."""
+    """megatron_lite's logits of the trained pp 2 torch_dist checkpoint (read here at pp 1) against
+    transformers' of the exported directory."""
     from megatron_lite.bridge import AutoBridge
     from megatron_lite.core import parallel_state
-    from megatron_lite.training.checkpointing.safety import load_checkpoint_file
+    from megatron_lite.training.checkpointing.torch_dist import load_distributed_weights
 
     parallel_state.initialize_model_parallel()
     provider = AutoBridge.from_hf_pretrained(exported).to_megatron_provider(load_weights=False)
     model = provider.provide().eval()
-    state = {}
-    for stage, offset in ((0, 0), (1, 2)):
-        shard = f"{ckpt}/iter_{ITERS:07d}/mp_rank_00_{stage:03d}/model_optim_rng.pt"
-        for name, tensor in load_checkpoint_file(shard, ckpt)["model"].items():
-            parts = name.split(".")
-            if parts[:2] == ["decoder", "layers"]:
-                parts[2] = str(int(parts[2]) + offset)
-            state[".".join(parts)] = tensor
-    model.load_state_dict(state)
+    load_distributed_weights([model], provider, ckpt, ITERS)
     ids = torch.randint(0, provider.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
     reference = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     with torch.no_grad():
@@ -124,7 +117,8 @@ def test_import_train_at_pp2_from_the_transformers_loss_and_export(llama, tmp_pa
     assert imported.returncode == 0, imported.stdout[-2000:] + imported.stderr
     result = run_pretrain(
         [*_train_args(model_dir, prefix), "--pretrained-checkpoint", "imported", "--use-checkpoint-args",
-         "--pipeline-model-parallel-size", "2", "--save", "trained", "--save-interval", str(ITERS)],
+         "--pipeline-model-parallel-size", "2", "--save", "trained", "--save-interval", str(ITERS),
+         "--ckpt-format", "torch_dist"],
         tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
@@ -139,6 +133,15 @@ def test_import_train_at_pp2_from_the_transformers_loss_and_export(llama, tmp_pa
     assert (tmp_path / "out" / "tokenizer.json").exists()
     [error] = run_world(_trained_logits, 1, str(tmp_path / "trained"), str(tmp_path / "out"))
     assert error <= 1e-5
+    # The imported (legacy format, tp 2) checkpoint exports back to the very tensors it was made of.
+    back = _run("export", "--hf-model", str(model_dir), "--megatron-path", "imported", "--hf-path", "back",
+                "--quiet", cwd=tmp_path)  # fmt: skip
+    assert back.returncode == 0, back.stdout[-2000:] + back.stderr
+    source, written = (
+        load_file(f"{model_dir}/model.safetensors"),
+        load_file(f"{tmp_path}/back/model.safetensors"),
+    )
+    assert written.keys() == source.keys() and all(torch.equal(written[n], source[n]) for n in source)
 
 
 def test_conversion_errors_are_one_line_before_any_worker(llama, tmp_path, capsys, monkeypatch):

@@ -158,8 +158,9 @@ def test_an_older_config_needs_the_legacy_allowlist_only_and_a_current_one_nothi
 
 
 def test_every_reader_of_a_file_is_weights_only():
-    """No unpickling outside checkpointing.safety: a new torch.load, pickle.load or allow_pickle=True
-    anywhere in the package fails here."""
+    """No unpickling outside checkpointing.safety (and the torch_dist reader's restricted unpickler of
+    DCP's .metadata, tests/test_dist_checkpointing.py): a new torch.load, pickle.load or
+    allow_pickle=True anywhere in the package fails here."""
     offenders = []
     for path in sorted((ROOT / "megatron_lite").rglob("*.py")):
         text = path.read_text()

@@ -221,7 +221,7 @@ def test_mixed_precision_and_distributed_optimizer_checks(mocker):
     [
         (
             lambda c: (
-                setattr(c.checkpoint, "save", "ck") or setattr(c.checkpoint, "ckpt_format", "torch_dist")
+                setattr(c.checkpoint, "save", "ck") or setattr(c.checkpoint, "ckpt_format", "fsdp_dtensor")
             ),
             "--ckpt-format",
         ),
@@ -278,7 +278,7 @@ def test_cli_train_samples_and_validation_flags(capsys):
     assert (cfg.validation.eval_iters, cfg.validation.eval_interval) == (3, 5)
     assert cfg.scheduler.lr_decay_steps == 160
     with pytest.raises(SystemExit) as exc:
-        parse_args(["--save", "ck", "--ckpt-format", "torch_dist"])
+        parse_args(["--save", "ck", "--ckpt-format", "fsdp_dtensor"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--ckpt-format" in err

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,10 +92,11 @@ def worker_main(argv: list[str]) -> int:
     from megatron_lite.bridge.models.conversion.megatron_checkpoints import export_ckpt, import_ckpt
     from megatron_lite.core import parallel_state
     from megatron_lite.training.checkpointing import CheckpointError
-    from megatron_lite.training.launcher import report_error
+    from megatron_lite.training.launcher import worker_exit_code
 
     args = _parser().parse_args(argv)
-    try:
+
+    def body() -> None:
         bridge = AutoBridge.from_hf_pretrained(args.hf_model)
         _check(args, bridge)
         dist.init_process_group("gloo")
@@ -107,15 +107,14 @@ def worker_main(argv: list[str]) -> int:
             import_ckpt(bridge, args.megatron_path, show_progress=not args.quiet)
         else:
             export_ckpt(bridge, args.megatron_path, args.hf_path, show_progress=not args.quiet)
-    except (BridgeError, CheckpointError) as err:
-        report_error(f"{PROG}: error: {err}")
-        return 2
-    except Exception:
-        report_error(f"{PROG}: rank {os.environ.get('RANK', '?')} failed:\n{traceback.format_exc().rstrip()}")
-        return 1
+
+    try:
+        code = worker_exit_code(PROG, body, (BridgeError, CheckpointError))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if code:
+        return code
     if os.environ.get("RANK", "0") == "0":
         where = args.megatron_path if args.command == "import" else args.hf_path
         print(f" {args.command}: wrote {where}", flush=True)

@@ -63,8 +63,13 @@ def initialize_megatron(config: ConfigContainer) -> ProcessGroupCollection:
         else None,
         distributed_timeout_minutes=config.dist.distributed_timeout_minutes,
     )
-    # As Megatron: dropout streams differ per pipeline stage (and per TP rank inside the TP region).
-    seed = config.rng.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    seed_rank_generators(config.rng.seed)
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def seed_rank_generators(seed: int) -> None:
+    """This rank's generators from ``seed``. As Megatron: dropout streams differ per pipeline stage
+    (and per TP rank inside the TP region)."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     set_random_seeds(seed)
     model_parallel_cuda_manual_seed(seed, tp_rank=parallel_state.get_tensor_model_parallel_rank())
-    return ProcessGroupCollection.use_mpu_process_groups()

@@ -21,6 +21,8 @@ import tempfile
 import threading
 import time
 
+from megatron_lite.utils.process import die_with_parent, name_process
+
 ERROR_FILE_ENV = "MEGATRON_LITE_ERROR_FILE"
 _GRACE_AFTER_FAILURE_S = 3.0
 _GRACE_AFTER_SIGNAL_S = 60.0
@@ -49,31 +51,26 @@ def report_error(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def worker_exit_code(prog: str, body, expected: tuple[type[BaseException], ...]) -> int:
+    """A tool's worker: run ``body()``; 0 when it returns, 2 and one line (``PROG: error: ...``) for
+    an ``expected`` error, 1 and the traceback for any other."""
+    try:
+        body()
+    except expected as err:
+        report_error(f"{prog}: error: {err}")
+        return 2
+    except Exception:
+        import traceback
+
+        report_error(f"{prog}: rank {os.environ.get('RANK', '?')} failed:\n{traceback.format_exc().rstrip()}")
+        return 1
+    return 0
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Linux: a worker gets SIGKILL if the launcher itself dies, so no worker outlives the job."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _name_process(name: str) -> None:
-    """Linux: the worker's name in ps / top / /proc/<pid>/comm (a fork keeps the launcher's command
-    line and initial environment, so this is how a forked worker's rank shows)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except OSError:
-        pass
 
 
 class _ForkedWorker:
@@ -91,8 +88,8 @@ class _ForkedWorker:
             code = 1
             try:
                 os.setsid()
-                _die_with_parent()
-                _name_process(f"rank-{env['RANK']}")
+                die_with_parent()
+                name_process(f"rank-{env['RANK']}")
                 for fd, target in ((out_w, 1), (err_w, 2)):
                     os.dup2(fd, target)
                 for fd in (out_r, out_w, err_r, err_w, *inherited):  # and the other workers' pipes
@@ -273,7 +270,7 @@ class Launcher:
                         text=True,
                         bufsize=1,
                         start_new_session=True,
-                        preexec_fn=_die_with_parent,
+                        preexec_fn=die_with_parent,
                     )
                 )
             # The writer threads start after the forks: a forked worker inherits no thread.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megatron_lite.core import parallel_state
+from megatron_lite.training import checkpointing
 from megatron_lite.training.config import ConfigContainer, runtime_config_update
 from megatron_lite.training.memory.postmortem import out_of_memory_postmortem
 from megatron_lite.training.memory.snapshots import start_memory_history
@@ -51,6 +52,7 @@ def pretrain(config: ConfigContainer, forward_step_func) -> None:
                 print_memory_table(config, s.pg_collection)
         success = True
     finally:
+        checkpointing.close_async_writer()
         state.close_loggers(success)
         if success and dist.is_initialized():
             dist.barrier()  # no rank tears down while another still talks to it

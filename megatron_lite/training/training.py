@@ -138,6 +138,8 @@ def train(forward_step_func, setup_output) -> None:
             checkpointing.save_checkpoint(state, s.model, s.optimizer, s.scheduler, s.pg_collection)
             last_saved = ts.step
 
+    if ckpt.save and ckpt.async_save:
+        checkpointing.start_async_writer()
     prof_config, rank = config.profiling, dist.get_rank()
     prof, nsys_context = None, None
     if should_profile_rank(prof_config, rank) and prof_config.use_pytorch_profiler:
@@ -216,13 +218,17 @@ def train(forward_step_func, setup_output) -> None:
                 evaluate_and_print_results(
                     forward_step_func, s.valid_data_iterator, s.model, config, state, s.pg_collection
                 )
+            # A background save (--async-save) becomes the latest checkpoint once every rank wrote it.
+            checkpointing.finalize_async_save(blocking=False)
             if ckpt.save_interval and ts.step % ckpt.save_interval == 0:
                 save()
             if config.train.exit_signal_handler and any(state.signal_handler.signals_received()):
                 print_rank_last(f" exiting program after receiving SIGTERM at iteration {ts.step}")
                 save()
+                checkpointing.finalize_async_save(blocking=True)
                 return
             if config.train.exit_interval and ts.step % config.train.exit_interval == 0:
                 print_rank_last(f" exiting program at iteration {ts.step}")
                 break
         save()
+        checkpointing.finalize_async_save(blocking=True)

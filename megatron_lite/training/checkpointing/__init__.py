@@ -8,8 +8,17 @@ reads them back through ``safety`` (no file can run code), ``compat`` and ``dist
 what a checkpoint holds against this run, ``rng`` carries the generators' state. A weights-only load
 (``--finetune``, ``--pretrained-checkpoint``) of another layout goes through ``reshard``;
 ``checkpoint_args`` serves ``--use-checkpoint-args``.
+
+``--ckpt-format torch_dist`` (``torch_dist``) writes megatron-core's distributed checkpoint instead,
+loadable at any layout, in the background with ``--async-save`` (``async_save``); ``commit`` makes
+either format's directory appear atomically. A load detects the format from ``metadata.json``.
 """
 
+from megatron_lite.training.checkpointing.async_save import (
+    close_async_writer,
+    finalize_async_save,
+    start_async_writer,
+)
 from megatron_lite.training.checkpointing.layout import TRACKER, get_checkpoint_name, read_tracker
 from megatron_lite.training.checkpointing.load import load_checkpoint
 from megatron_lite.training.checkpointing.safety import CheckpointError
@@ -18,8 +27,11 @@ from megatron_lite.training.checkpointing.save import save_checkpoint
 __all__ = [
     "TRACKER",
     "CheckpointError",
+    "close_async_writer",
+    "finalize_async_save",
     "get_checkpoint_name",
     "load_checkpoint",
     "read_tracker",
+    "start_async_writer",
     "save_checkpoint",
 ]

@@ -41,7 +41,7 @@ _EXTRA_FIELDS = (
 )
 
 # Checkpoints record the activation by name (safety.plain); names an older file pickled as functions too.
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "gelu": F.gelu,
     "silu": F.silu,
     "relu": F.relu,
@@ -57,13 +57,13 @@ def _fields() -> list[str]:
 
 def _activation(root: str, value):
     name = getattr(value, "__name__", value)
-    if name not in _ACTIVATIONS:
+    if name not in ACTIVATIONS:
         raise ConfigError(
             FLAG,
             f"{root}'s model uses the activation {name!r}, which megatron_lite cannot build "
-            f"(it knows {', '.join(sorted(_ACTIVATIONS))})",
+            f"(it knows {', '.join(sorted(ACTIVATIONS))})",
         )
-    return _ACTIVATIONS[name]
+    return ACTIVATIONS[name]
 
 
 def _saved_model(config) -> tuple[str, dict]:

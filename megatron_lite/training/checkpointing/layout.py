@@ -9,10 +9,11 @@ import os
 
 from megatron_lite.core import parallel_state
 from megatron_lite.training.checkpointing.distrib_optim import get_distributed_optimizer_checkpoint_name
-from megatron_lite.training.checkpointing.safety import CheckpointError
+from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
+COMMON = "common.pt"  # a torch_dist checkpoint's plain state, beside DCP's files
 CHECKPOINT_VERSION = 3.0
 
 
@@ -29,6 +30,10 @@ def get_checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, p
 def model_keys(chunks: int) -> list[str]:
     """Upstream's payload keys: ``model`` for one chunk, ``model0``, ``model1``, ... for virtual stages."""
     return ["model"] if chunks == 1 else [f"model{i}" for i in range(chunks)]
+
+
+def model_chunks(model) -> list:
+    return model if isinstance(model, list) else [model]
 
 
 def my_shard_name() -> str:
@@ -96,6 +101,24 @@ def read_metadata(root: str, iteration: int, flag: str = "--load") -> dict:
     except (OSError, ValueError):
         raise CheckpointError(f"{flag} {root}: iteration {iteration} has an unreadable {METADATA}") from None
     return saved if isinstance(saved, dict) else {}
+
+
+def is_distributed_checkpoint(root: str, iteration: int, flag: str = "--load") -> bool:
+    """Whether iteration ``iteration`` of ``root`` is in ``torch_dist`` format (megatron-core's
+    metadata.json says so), not the legacy one."""
+    return read_metadata(root, iteration, flag).get("sharded_backend") == "torch_dist"
+
+
+def read_common(root: str, iteration: int, flag: str = "--load") -> dict:
+    """A ``torch_dist`` checkpoint's ``common.pt`` (iteration, config, layout, schedule, RNG, ...),
+    read without running code from it."""
+    path = os.path.join(root, f"iter_{iteration:07d}", COMMON)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{flag} {root}: iteration {iteration} is incomplete (no {COMMON})")
+    common = load_checkpoint_file(path, root, legacy=False)
+    if not isinstance(common, dict) or not isinstance(common.get("config"), dict):
+        raise CheckpointError(f"{flag} {root}: iteration {iteration}: {COMMON} is not a megatron_lite one")
+    return common
 
 
 def check_layout(root: str, iteration: int) -> None:

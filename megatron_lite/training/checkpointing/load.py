@@ -22,8 +22,10 @@ from megatron_lite.training.checkpointing.distrib_optim import (
 from megatron_lite.training.checkpointing.layout import (
     check_layout,
     get_checkpoint_name,
+    is_distributed_checkpoint,
     layout_differs,
     layout_error,
+    model_chunks,
     model_keys,
     my_optimizer_shard,
     parallel_layout,
@@ -38,7 +40,7 @@ from megatron_lite.training.checkpointing.reshard import (
 )
 from megatron_lite.training.checkpointing.rng import set_rng_state
 from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
-from megatron_lite.training.checkpointing.save import model_chunks
+from megatron_lite.training.checkpointing.torch_dist import load_distributed
 
 
 def load_model_state(model, payload: dict) -> None:
@@ -135,11 +137,13 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
     starting fresh). Collective."""
     cfg = state.cfg.checkpoint
     root, payload, param_state, error, iteration, finetune = cfg.load, None, None, None, None, cfg.finetune
+    distributed = False
     schedule_error, reshard_note = None, None
     # Every file is read and checked before any state changes; every rank hears of any rank's error.
     try:
         root, iteration, finetune = resolve_checkpoint(cfg)
-        if iteration is not None:
+        distributed = iteration is not None and is_distributed_checkpoint(root, iteration)
+        if iteration is not None and not distributed:
             payload, error, reshard_note = _read_weights(root, iteration, finetune, model, state.cfg.model)
             if error is None and cfg.load_optim and not finetune:
                 optimizer_shard = my_optimizer_shard(root, iteration)
@@ -184,6 +188,11 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
         if dist.get_rank() == 0:
             print(f" no checkpoint found in {root}; starting from scratch", flush=True)
         return 0
+    if distributed:
+        load_distributed(state, model, optimizer, scheduler, root, iteration, finetune)
+        if dist.get_rank() == 0:
+            print(f" successfully loaded checkpoint from {root} at iteration {iteration}", flush=True)
+        return iteration
     if reshard_note and dist.get_rank() == 0:
         print(reshard_note, flush=True)
     try:

@@ -26,9 +26,15 @@ from megatron_lite.core.models.gpt.state_dict_sharding import (
 )
 from megatron_lite.core.transformer.pipeline_layer_split import chunk_layer_offset, pipeline_layer_counts
 from megatron_lite.training.checkpointing.compat import saved_split
-from megatron_lite.training.checkpointing.layout import get_checkpoint_name, model_keys, read_metadata
+from megatron_lite.training.checkpointing.layout import (
+    get_checkpoint_name,
+    is_distributed_checkpoint,
+    model_chunks,
+    model_keys,
+    read_common,
+    read_metadata,
+)
 from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
-from megatron_lite.training.checkpointing.save import model_chunks
 
 _TIED_SOURCE = "embedding.word_embeddings.weight"
 
@@ -46,8 +52,10 @@ def split_differs(saved_config: dict | None, model_cfg) -> bool:
 
 
 def read_saved_config(root: str, iteration: int) -> dict:
-    """The saving run's config (``plain(ConfigContainer)``), from the first stage's first TP shard;
-    the file is mapped, so its tensors are not read."""
+    """The saving run's config (``plain(ConfigContainer)``): a ``torch_dist`` checkpoint's
+    ``common.pt``, else the first stage's first TP shard (mapped, so its tensors are not read)."""
+    if is_distributed_checkpoint(root, iteration):
+        return read_common(root, iteration)["config"]
     layout = read_metadata(root, iteration)
     path = get_checkpoint_name(root, iteration, 0, 0, layout.get("pipeline_model_parallel_size", 1))
     if not os.path.exists(path):

@@ -4,38 +4,28 @@ untouched."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import time
 
 import torch
 import torch.distributed as dist
 
 from megatron_lite.core import parallel_state
-from megatron_lite.training.checkpointing.agreement import agree
+from megatron_lite.training.checkpointing.commit import write_checkpoint
 from megatron_lite.training.checkpointing.distrib_optim import (
     get_distributed_optimizer_checkpoint_name,
     uses_distributed_optimizer,
 )
 from megatron_lite.training.checkpointing.layout import (
     CHECKPOINT_VERSION,
-    METADATA,
-    TRACKER,
+    model_chunks,
     model_keys,
     my_shard_name,
     parallel_layout,
 )
 from megatron_lite.training.checkpointing.rng import rng_state
 from megatron_lite.training.checkpointing.safety import plain
-from megatron_lite.utils.atomic_io import atomic_write_bytes, fsync_dir, replace_directory, write_error_line
-
-# Fault-injection tests widen the window between writing the shards and committing them.
-_TEST_DELAY_BEFORE_COMMIT_S = float(os.environ.get("MEGATRON_LITE_TEST_SAVE_DELAY_S", "0"))
-
-
-def model_chunks(model) -> list:
-    return model if isinstance(model, list) else [model]
+from megatron_lite.training.checkpointing.torch_dist import save_distributed
+from megatron_lite.utils.atomic_io import atomic_write_bytes, fsync_dir
 
 
 def _model_state(model) -> dict:
@@ -104,68 +94,14 @@ def _write_shards(state, model, optimizer, scheduler, tmp_root: str) -> None:
             atomic_write_bytes(optim_path, lambda f: torch.save(param_state, f), _nbytes(param_state))
 
 
-def _commit(root: str, tmp_root: str, iteration: int) -> None:
-    """Rank 0: rename the complete save into place; a failure puts back what was there."""
-    replace_directory(tmp_root, os.path.join(root, f"iter_{iteration:07d}"))
-
-
-def _save_error(flag: str, root: str, iteration: int, err: Exception) -> str:
-    reason = (
-        write_error_line(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}".splitlines()[0]
-    )
-    return f"{flag} {root}: iteration {iteration} not saved, {reason}; the previous checkpoint and {TRACKER} are untouched"
-
-
-def write_checkpoint(root: str, iteration: int, write_shards, flag: str = "--save") -> None:
-    """Iteration ``iteration`` of ``root``, atomically: ``write_shards(tmp_root)`` (called on every rank,
-    may run collectives) writes each rank's files into a temporary directory, rank 0 adds metadata.json,
-    renames it into place and replaces the tracker last. Collective over the world; a write that fails
-    on any rank (a full disk, a quota, an I/O error) is one CheckpointError on every rank, with the
-    partial save removed and the previous checkpoint and tracker untouched."""
-    tmp_root = os.path.join(root, f".tmp_iter_{iteration:07d}")
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            os.makedirs(root, exist_ok=True)
-            for name in os.listdir(root):  # leftovers of saves that were killed part-way
-                if name.startswith(".tmp_iter_") or name.endswith(".old"):
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            os.makedirs(tmp_root)
-        except OSError as err:
-            error = _save_error(flag, root, iteration, err)
-    agree(error)
-    try:
-        write_shards(tmp_root)
-        if dist.get_rank() == 0:
-            metadata = json.dumps(
-                {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION, **parallel_layout()}
-            )
-            atomic_write_bytes(os.path.join(tmp_root, METADATA), lambda f: f.write(metadata.encode()))
-    except Exception as err:  # a full disk, or anything else: the other ranks must hear of it, not wait
-        error = _save_error(flag, root, iteration, err)
-    if _TEST_DELAY_BEFORE_COMMIT_S:
-        time.sleep(_TEST_DELAY_BEFORE_COMMIT_S)
-    agree(error, cleanup=tmp_root)
-    if dist.get_rank() == 0:
-        try:
-            _commit(root, tmp_root, iteration)
-        except OSError as err:
-            shutil.rmtree(tmp_root, ignore_errors=True)
-            error = _save_error(flag, root, iteration, err)
-        else:
-            try:
-                atomic_write_bytes(os.path.join(root, TRACKER), lambda f: f.write(f"{iteration}\n".encode()))
-            except OSError as err:
-                error = (
-                    f"{flag} {root}: iteration {iteration} is on disk but {TRACKER} was not updated, "
-                    f"{write_error_line(err)}; it still names the previous checkpoint"
-                )
-    agree(error)
-
-
 def save_checkpoint(state, model, optimizer, scheduler, pg_collection) -> None:
-    """Write this iteration's checkpoint (``write_checkpoint``). Collective over the world."""
+    """Write this iteration's checkpoint in ``--ckpt-format`` (``torch``: ``write_checkpoint`` here;
+    ``torch_dist``: ``torch_dist.save_distributed``, in the background with ``--async-save``).
+    Collective over the world."""
     root, iteration = state.cfg.checkpoint.save, state.train_state.step
+    if state.cfg.checkpoint.ckpt_format == "torch_dist":
+        save_distributed(state, model, optimizer, scheduler)
+        return
     write_checkpoint(
         root, iteration, lambda tmp_root: _write_shards(state, model, optimizer, scheduler, tmp_root)
     )

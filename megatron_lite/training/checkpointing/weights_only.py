@@ -5,8 +5,9 @@ loads it at any layout; ``--use-checkpoint-args`` takes the architecture from it
 from __future__ import annotations
 
 from megatron_lite.core import parallel_state
+from megatron_lite.training.checkpointing.commit import write_checkpoint
 from megatron_lite.training.checkpointing.safety import plain
-from megatron_lite.training.checkpointing.save import shard_payload, write_checkpoint, write_shard
+from megatron_lite.training.checkpointing.save import shard_payload, write_shard
 
 
 def save_model_weights(root: str, model, model_config, iteration: int = 0, flag: str = "--save") -> None:

@@ -1,4 +1,4 @@
-"""The checkpoint section, Megatron-Bridge's CheckpointConfig (legacy torch format)."""
+"""The checkpoint section, Megatron-Bridge's CheckpointConfig."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from megatron_lite.training.utils import checkpoint_utils
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    """Saving and loading, in Megatron's legacy torch format (``ckpt_format="torch"``)."""
+    """Saving and loading, in Megatron's legacy ``torch`` format or megatron-core's ``torch_dist``."""
 
     save: str | None = None
     """Directory to save checkpoints into."""
@@ -36,9 +36,11 @@ class CheckpointConfig:
     ckpt_step: int | None = None
     """Load this iteration of ``load`` instead of its latest."""
     ckpt_format: str = "torch"
-    """Checkpoint format: megatron_lite reads and writes Megatron's legacy ``torch`` format."""
+    """Format to save in: ``torch`` (legacy: one file per TP x PP rank, resumed at its layout) or
+    ``torch_dist`` (DCP, loadable at any layout). A load detects the format of what it reads."""
     async_save: bool = False
-    """Save in the background (not supported yet: False)."""
+    """``torch_dist`` only: copy the tensors to host memory and write them from a background process
+    while training goes on; the checkpoint becomes the latest once every rank's write is done."""
     use_persistent_ckpt_worker: bool = True
     """Keep one background worker for async saves."""
 

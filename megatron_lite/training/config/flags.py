@@ -392,7 +392,20 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "store_true",
         "With --no-load-optim: fp32 main params from the checkpoint's weights.",
     ),
-    ("--ckpt-format", "checkpoint", "ckpt_format", str, "Checkpoint format (only torch so far)."),
+    (
+        "--ckpt-format",
+        "checkpoint",
+        "ckpt_format",
+        str,
+        "Format to save: torch (legacy, default) or torch_dist (loadable at any layout); loads detect it.",
+    ),
+    (
+        "--async-save",
+        "checkpoint",
+        "async_save",
+        "store_true",
+        "torch_dist only: write checkpoints from a background process while training goes on.",
+    ),
     # Launch
     ("--nproc-per-node", "dist", "nproc_per_node", int, "Worker processes (default tp x pp x cp)."),
     ("--distributed-backend", "dist", "distributed_backend", str, "gloo or nccl (default: by hardware)."),

@@ -6,18 +6,28 @@ from __future__ import annotations
 from megatron_lite.bridge.models.conversion.errors import BridgeError
 from megatron_lite.core import parallel_state
 from megatron_lite.training.checkpointing.compat import checkpoint_model_error, saved_split
-from megatron_lite.training.checkpointing.layout import get_checkpoint_name, read_metadata, read_tracker
+from megatron_lite.training.checkpointing.layout import (
+    get_checkpoint_name,
+    is_distributed_checkpoint,
+    read_common,
+    read_metadata,
+    read_tracker,
+)
 from megatron_lite.training.checkpointing.load import load_model_state
 from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
+from megatron_lite.training.checkpointing.torch_dist import load_distributed_weights
 from megatron_lite.training.checkpointing.weights_only import save_model_weights
 
 
 def saved_layout(megatron_path: str) -> tuple[int, dict]:
-    """The latest iteration of a checkpoint and its metadata.json (tp and pp sizes)."""
+    """The latest iteration of a checkpoint and the layout that saved it (tp and pp sizes: the legacy
+    format's metadata.json, a torch_dist checkpoint's common.pt)."""
     try:
         iteration = read_tracker(megatron_path, flag="--megatron-path")
         if iteration is None:
             raise BridgeError(f"--megatron-path {megatron_path}: holds no checkpoint")
+        if is_distributed_checkpoint(megatron_path, iteration, flag="--megatron-path"):
+            return iteration, read_common(megatron_path, iteration, flag="--megatron-path")["parallel_layout"]
         return iteration, read_metadata(megatron_path, iteration, flag="--megatron-path")
     except CheckpointError as err:
         raise BridgeError(str(err)) from None
@@ -58,9 +68,30 @@ def export_provider(bridge, megatron_path: str, saved_config: dict | None):
 
 
 def export_ckpt(bridge, megatron_path: str, hf_path: str, show_progress: bool = False) -> None:
-    """Load this rank's shard of ``megatron_path``'s latest iteration (saved at this world's layout)
-    into a model of the bridge's config.json and write the Hugging Face directory. Collective."""
+    """Load this rank's part of ``megatron_path``'s latest iteration (a legacy checkpoint: its shard
+    saved at this world's layout; a torch_dist one: read at this layout) into a model of the bridge's
+    config.json and write the Hugging Face directory. Collective."""
     iteration, _ = saved_layout(megatron_path)
+    if is_distributed_checkpoint(megatron_path, iteration, flag="--megatron-path"):
+        saved_config = read_common(megatron_path, iteration, flag="--megatron-path")["config"]
+        chunks, provider = _export_chunks(bridge, megatron_path, saved_config)
+        try:
+            load_distributed_weights(chunks, provider, megatron_path, iteration, flag="--megatron-path")
+        except CheckpointError as err:
+            raise BridgeError(str(err)) from None
+    else:
+        chunks = _load_legacy_shard(bridge, megatron_path, iteration)
+    bridge.save_hf_pretrained(chunks, hf_path, show_progress=show_progress)
+
+
+def _export_chunks(bridge, megatron_path: str, saved_config: dict | None):
+    provider = export_provider(bridge, megatron_path, saved_config)
+    vp = provider.virtual_pipeline_model_parallel_size
+    return [provider.provide(vp_stage=i if vp else None) for i in range(vp or 1)], provider
+
+
+def _load_legacy_shard(bridge, megatron_path: str, iteration: int) -> list:
+    """This rank's model chunks, filled from its ``model_optim_rng.pt`` (saved at this layout)."""
     shard = get_checkpoint_name(
         megatron_path,
         iteration,
@@ -74,9 +105,7 @@ def export_ckpt(bridge, megatron_path: str, hf_path: str, show_progress: bool = 
         raise BridgeError(f"--megatron-path {megatron_path}: iteration {iteration} has no {shard}") from None
     except CheckpointError as err:
         raise BridgeError(str(err)) from None
-    provider = export_provider(bridge, megatron_path, payload.get("config"))
-    vp = provider.virtual_pipeline_model_parallel_size
-    chunks = [provider.provide(vp_stage=i if vp else None) for i in range(vp or 1)]
+    chunks, _ = _export_chunks(bridge, megatron_path, payload.get("config"))
     try:
         load_model_state(chunks, payload)
     except (ValueError, RuntimeError) as err:
@@ -84,4 +113,4 @@ def export_ckpt(bridge, megatron_path: str, hf_path: str, show_progress: bool = 
             f"--megatron-path {megatron_path}: {shard} does not fit the model ({str(err).splitlines()[0]})"
         ) from None
     del payload  # its mapped pages would count against this rank for the whole export
-    bridge.save_hf_pretrained(chunks, hf_path, show_progress=show_progress)
+    return chunks

@@ -50,7 +50,6 @@ def check_supported(cfg) -> None:
             "--skip-train": bool(cfg.validation.skip_train),
             "--dataloader-type": ds.dataloader_type not in (None, "single"),
             "--tokenizer-metadata": tok.metadata_path is not None,
-            "--async-save": ck.async_save,
             "--no-save-optim": not ck.save_optim,
             "--no-save-rng": not ck.save_rng,
             "--rerun-mode": cfg.rerun_state_machine.rerun_mode != "disabled",
@@ -76,10 +75,16 @@ def check_supported(cfg) -> None:
         )
     if d.bucket_size is not None and d.bucket_size <= 0:
         raise ConfigError("--ddp-bucket-size", f"must be positive, got {d.bucket_size}")
-    if (ck.save or ck.load or ck.pretrained_checkpoint) and ck.ckpt_format != "torch":
+    if ck.ckpt_format not in ("torch", "torch_dist"):
         raise ConfigError(
-            "--ckpt-format", f"{ck.ckpt_format!r} is not supported yet; megatron_lite saves and loads 'torch'"
+            "--ckpt-format",
+            f"{ck.ckpt_format!r} is not supported; megatron_lite saves 'torch' (legacy) or 'torch_dist' "
+            "(and loads either, whichever --ckpt-format says)",
         )
+    if ck.async_save and ck.ckpt_format != "torch_dist":
+        raise ConfigError("--async-save", "is only supported with --ckpt-format torch_dist (as upstream)")
+    if ck.async_save and not ck.use_persistent_ckpt_worker:
+        raise ConfigError("--async-save", "async_save requires use_persistent_ckpt_worker=True.")
     p = cfg.profiling
     if p is not None:
         _refuse(

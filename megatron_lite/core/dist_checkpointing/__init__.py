@@ -1,0 +1,26 @@
+"""Distributed checkpoints in megatron-core's ``torch_dist`` format (``megatron.core.dist_checkpointing``):
+every rank writes its pieces of named global tensors through ``torch.distributed.checkpoint`` (DCP's
+``.metadata`` and ``__<rank>_<n>.distcp`` files) and any rank of any later layout reads the pieces it
+needs, whoever wrote them. ``mapping`` says what a rank holds, ``strategies.torch`` plans the reads
+and writes (and reads ``.metadata`` without running code), ``serialization`` saves and loads,
+``strategies.async_utils`` writes from a background process."""
+
+from megatron_lite.core.dist_checkpointing.mapping import ShardedTensor
+from megatron_lite.core.dist_checkpointing.serialization import (
+    CheckpointingException,
+    load,
+    load_metadata,
+    missing_or_mismatched,
+    plan_save,
+    save,
+)
+
+__all__ = [
+    "CheckpointingException",
+    "ShardedTensor",
+    "load",
+    "load_metadata",
+    "missing_or_mismatched",
+    "plan_save",
+    "save",
+]

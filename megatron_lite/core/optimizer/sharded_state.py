@@ -1,0 +1,77 @@
+"""The optimizer's part of a ``torch_dist`` checkpoint, in model space (megatron-core's fully
+reshardable form): for every parameter, ``optimizer.state.exp_avg.<key>``,
+``optimizer.state.exp_avg_sq.<key>`` and, where the weights are kept in lower precision,
+``optimizer.state.fp32_param.<key>``, each laid out like the parameter's own global tensor.
+
+The distributed optimizer's shard of a parameter (a flat range of it) becomes up to three rectangles
+per slab of that tensor, so a load may use another data-parallel size, another TP / PP layout, or no
+distributed optimizer at all: every rank asks for its own ranges and DCP finds them wherever they
+were written. The step count and hyper-parameters are plain values (``common_state``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.core.dist_checkpointing.mapping import ShardedTensor, flat_range_pieces
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+FP32_PARAM = "optimizer.state.fp32_param."
+
+
+def _ranges(optimizer):
+    """``(param, start, main, is_copy)`` per part this rank updates: ``main`` the fp32 values of the
+    flat elements ``[start, start + main.numel())`` of ``param``."""
+    if hasattr(optimizer, "ranges"):  # the distributed optimizer: this rank's shard of each parameter
+        return [(r.param, r.start, r.main, r.main is not r.model_view) for r in optimizer.ranges]
+    return [(p, 0, m, m is not p) for p, m in zip(optimizer.params, optimizer.masters)]
+
+
+def _state(optimizer, main: torch.Tensor, step: float) -> dict:
+    """AdamW's state for ``main``, created (zero moments) where no step has run yet."""
+    state = optimizer.optimizer.state[main]
+    for k in MOMENTS:
+        if k not in state:
+            state[k] = torch.zeros_like(main, memory_format=torch.preserve_format)
+    if "step" not in state:
+        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    return state
+
+
+def common_state(optimizer) -> dict:
+    """Hyper-parameters per group and the step count: plain values, the same on every rank."""
+    steps = [float(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
+    return {"param_groups": groups, "step": steps[0] if steps else 0.0}
+
+
+def optimizer_pieces(
+    optimizer, placement: dict, *, fp32_from: str | None = FP32_PARAM, moments: bool = True
+) -> list[ShardedTensor]:
+    """This rank's optimizer tensors as pieces of the global ones. ``placement``:
+    ``{param: (slabs, replica_id)}``. ``fp32_from``: the prefix of the fp32 main parameters' tensors
+    (``""``: the model's own, for a checkpoint that has none); None leaves them out. ``moments``
+    False: the fp32 main parameters only (``--load-main-params-from-ckpt``)."""
+    step = common_state(optimizer)["step"]
+    pieces = []
+    for param, start, main, is_copy in _ranges(optimizer):
+        if param not in placement:
+            continue
+        slabs, replica = placement[param]
+        for k in MOMENTS if moments else ():
+            flat = _state(optimizer, main, step)[k].view(-1)
+            pieces += flat_range_pieces(slabs, param.shape, flat, start, replica, f"optimizer.state.{k}.")
+        if is_copy and fp32_from is not None:
+            pieces += flat_range_pieces(slabs, param.shape, main.detach().view(-1), start, replica, fp32_from)
+    return pieces
+
+
+def load_common_state(optimizer, common: dict) -> None:
+    """Hyper-parameters and the step count from ``common_state``, after the tensors were read."""
+    # By weight-decay multiplier, not position: an optimizer leaves out a group it has no parameter
+    # for, so ranks (and layouts) may hold different numbers of groups.
+    saved_groups = {g.get("wd_mult"): g for g in common["param_groups"]}
+    for group in optimizer.optimizer.param_groups:
+        group.update(saved_groups.get(group.get("wd_mult"), {}))
+    for state in optimizer.optimizer.state.values():
+        state["step"] = torch.tensor(float(common["step"]), dtype=torch.float32)

@@ -1,0 +1,83 @@
+"""What each rank holds of a ``torch_dist`` checkpoint: its pieces of the weights (placed by
+``core.models.gpt.sharded_state_dict``) and of the optimizer state (``core.optimizer.sharded_state``),
+with the one rank that writes each piece, and the layout ``common.pt`` records."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.core import parallel_state
+from megatron_lite.core.dist_checkpointing.mapping import flat_range_pieces
+from megatron_lite.core.models.gpt.sharded_state_dict import chunk_slabs
+from megatron_lite.core.optimizer.sharded_state import FP32_PARAM, optimizer_pieces
+from megatron_lite.core.transformer.pipeline_layer_split import chunk_layer_offset
+from megatron_lite.training.checkpointing.distrib_optim import uses_distributed_optimizer
+from megatron_lite.training.checkpointing.layout import model_chunks
+
+
+def layout_record(model_cfg) -> dict:
+    """This run's layout as ``common.pt`` records it; RNG streams carry over only when it is equal."""
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": model_cfg.virtual_pipeline_model_parallel_size or 1,
+        "world_size": dist.get_world_size(),
+    }
+
+
+def _placement(model, model_cfg) -> dict:
+    """``{parameter: (slabs, replicated_over_tp, read_only)}`` over this rank's model chunks."""
+    tp_rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), model_cfg.tensor_model_parallel_size
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    found = {}
+    for c, chunk in enumerate(model_chunks(model)):
+        found.update(
+            chunk_slabs(
+                chunk,
+                layer_offset=chunk_layer_offset(model_cfg, c, pp_rank),
+                num_layers=model_cfg.num_layers,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                gated=bool(model_cfg.gated_linear_unit),
+                tied=bool(model_cfg.share_embeddings_and_output_weights),
+            )
+        )
+    return found
+
+
+def _replica(replicated: bool, read_only: bool, owner: bool) -> int:
+    """0 for the one rank that writes a piece: ``owner`` (this rank holds it for its data-parallel
+    group), TP rank 0 of a tensor every TP rank holds, never a tied copy."""
+    first_tp = parallel_state.get_tensor_model_parallel_rank() == 0
+    return 0 if owner and not read_only and (first_tp or not replicated) else 1
+
+
+def sharded_pieces(
+    model,
+    optimizer,
+    model_cfg,
+    *,
+    with_optimizer: bool,
+    fp32_from: str | None = FP32_PARAM,
+    moments: bool = True,
+    fp32_weights_from: str = "",
+):
+    """This rank's pieces of the checkpoint's tensors: its weights, and with ``with_optimizer`` its
+    optimizer state (of its own shard with the distributed optimizer; ``moments`` False: its fp32
+    main parameters only). ``fp32_weights_from``: the prefix fp32 weights are read from (a load into
+    an fp32 model of a checkpoint with fp32 main parameters beside lower-precision weights)."""
+    placement = _placement(model, model_cfg)
+    dp_first = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    pieces = []
+    for param, (slabs, replicated, read_only) in placement.items():
+        replica = _replica(replicated, read_only, dp_first)
+        prefix = fp32_weights_from if param.dtype == torch.float32 else ""
+        pieces += flat_range_pieces(slabs, param.shape, param.detach().view(-1), 0, replica, prefix)
+    if with_optimizer:
+        owner = dp_first or uses_distributed_optimizer(optimizer)
+        optim = {p: (slabs, _replica(rep, ro, owner)) for p, (slabs, rep, ro) in placement.items()}
+        pieces += optimizer_pieces(optimizer, optim, fp32_from=fp32_from, moments=moments)
+    return pieces
