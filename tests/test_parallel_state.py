@@ -138,11 +138,68 @@ def test_rank_generator_matches_megatron_core_for_other_orders():
 def _bad_world_size(rank, world):
     with pytest.raises(RuntimeError, match="not divisible"):
         ps.initialize_model_parallel(tensor_model_parallel_size=4)
-    with pytest.raises(NotImplementedError, match="expert_model_parallel_size"):
-        ps.initialize_model_parallel(expert_model_parallel_size=2)
+    with pytest.raises(RuntimeError, match="expert_tensor_model_pipeline_parallel size"):
+        ps.initialize_model_parallel(expert_model_parallel_size=4)
     assert not ps.model_parallel_is_initialized()
     return True
 
 
 def test_invalid_layouts_are_refused():
     assert run_world(_bad_world_size, 2) == [True, True]
+
+
+EXPERT_TOKENS = {"ep": "ep", "expt_tp": "tp", "tp_ep": "tp-ep", "tp_ep_pp": "tp-ep-pp", "expt_dp": "dp"}
+EXPERT_LAYOUTS = [  # (tp, pp, cp, ep, etp) over 8 ranks
+    (1, 1, 1, 2, None),
+    (2, 1, 1, 2, None),
+    (2, 1, 1, 2, 1),
+    (1, 2, 1, 2, None),
+    (2, 2, 1, 2, 1),
+    (1, 1, 2, 4, None),
+    (4, 1, 1, 2, 2),
+    (1, 1, 1, 8, None),
+]
+
+
+def _expert_groups(rank: int, world: int, cases: list[dict]) -> int:
+    for case in cases:
+        tp, pp, cp, ep, etp = case["layout"]
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
+        expected = {name: _mine(groups, rank) for name, groups in case["groups"].items()}
+        getters = {
+            "ep": ps.get_expert_model_parallel_group(),
+            "expt_tp": ps.get_expert_tensor_parallel_group(),
+            "tp_ep": ps.get_expert_tensor_and_model_parallel_group(),
+            "tp_ep_pp": ps.get_expert_tensor_model_pipeline_parallel_group(),
+            "expt_dp": ps.get_expert_data_parallel_group(),
+        }
+        for name, group in getters.items():
+            assert dist.get_process_group_ranks(group) == expected[name], (case["layout"], name)
+        assert ps.get_expert_model_parallel_world_size() == ep
+        assert ps.get_expert_model_parallel_rank() == expected["ep"].index(rank)
+        assert ps.get_expert_tensor_parallel_world_size() == (etp or tp)
+        assert ps.get_expert_tensor_parallel_rank() == expected["expt_tp"].index(rank)
+        assert ps.get_expert_data_parallel_world_size() == world // ((etp or tp) * ep * pp)
+        assert ps.get_expert_data_parallel_rank() == expected["expt_dp"].index(rank)
+        assert ps.get_tensor_model_parallel_world_size() == tp  # the dense groups are unchanged
+        ps.destroy_model_parallel()
+    return len(cases)
+
+
+def test_expert_parallel_groups_match_megatron_core():
+    """megatron-core's expert grid: expert TP x EP x expert DP x PP, context parallelism folded into
+    expert data parallelism, its pipelines the dense ones."""
+    oracle, cases = _megatron_core(), []
+    for tp, pp, cp, ep, etp in EXPERT_LAYOUTS:
+        gen = oracle.RankGenerator(
+            tp=etp or tp, ep=ep, dp=8 // ((etp or tp) * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp"
+        )
+        groups = {name: gen.get_ranks(token) for name, token in EXPERT_TOKENS.items()}
+        cases.append({"layout": (tp, pp, cp, ep, etp), "groups": groups})
+    assert run_world(_expert_groups, 8, cases) == [len(cases)] * 8

@@ -119,7 +119,6 @@ def _in_world(rank: int, world: int, oracle: dict) -> bool:
     for bad in (
         {"use_sharp": True},
         {"gtp_remat_size": 2},
-        {"expert_tensor_parallel_size": 1, "tensor_model_parallel_size": 2},
         {"high_priority_stream_groups": ["tp"]},
     ):
         with pytest.raises(NotImplementedError, match=next(iter(bad))):

@@ -130,7 +130,7 @@ _GROUP_TOKENS = {
     "tp_cp": "tp-cp",
 }
 
-# ... and from the expert rank generator (expert parallelism itself is not supported: ep == 1).
+# ... and from the expert rank generator.
 _EXPERT_GROUP_TOKENS = {
     "ep": "ep",
     "expt_tp": "tp",
@@ -207,16 +207,16 @@ def initialize_model_parallel(
 ) -> None:
     """Build every model-parallel group. Collective: call on all ranks of the world, same arguments.
 
-    The signature is megatron.core's. Options for features megatron_lite lacks (expert parallelism,
-    hierarchical/hybrid CP, GTP remat, several distributed-optimizer instances, SHARP, NCCL configs,
-    high-priority streams) are accepted at their defaults and refused with NotImplementedError otherwise.
+    The signature is megatron.core's; the expert-parallel groups (``expert_model_parallel_size``,
+    ``expert_tensor_parallel_size``) are built as upstream's, ahead of the MoE layers that will use
+    them. Options for features megatron_lite lacks (hierarchical/hybrid CP, GTP remat, several
+    distributed-optimizer instances, SHARP, NCCL configs, high-priority streams) are accepted at their
+    defaults and refused with NotImplementedError otherwise.
     """
     global _STATE, _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     assert dist.is_initialized(), "torch.distributed must be initialized before initialize_model_parallel"
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     unsupported = {
-        "expert_model_parallel_size": expert_model_parallel_size != 1,
-        "expert_tensor_parallel_size": expert_tensor_parallel_size not in (None, tp),
         "hierarchical_context_parallel_sizes": bool(hierarchical_context_parallel_sizes),
         "hybrid_context_parallel": hybrid_context_parallel,
         "gtp_remat_size": gtp_remat_size != 1,
@@ -243,13 +243,24 @@ def initialize_model_parallel(
     assert _STATE is None, "model parallel groups are already initialized; call destroy_model_parallel first"
     dp = world_size // (tp * pp * cp)
     generator = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order, rank_offset=rank_offset)
-    # The expert grid folds context parallelism into data parallelism (upstream's layout). With
-    # ep == 1 its groups mostly coincide with dense ones (sharing their communicators); only the
-    # singleton expert-parallel groups are new. Upstream refuses grids whose pipelines would differ.
-    assert order.endswith("pp") or pp == 1 or cp == 1, (
-        f"order '{order}' puts pp before dp while cp > 1: the dense and expert grids would get different pipelines"
+    # The expert grid (upstream's): expert TP x EP x expert DP x PP over the same ranks, context
+    # parallelism folded into expert data parallelism. With ep == 1 and the dense TP its groups mostly
+    # coincide with dense ones (sharing their communicators).
+    etp, ep = expert_tensor_parallel_size or tp, expert_model_parallel_size
+    if world_size % (etp * ep * pp) != 0:
+        raise RuntimeError(
+            f"world_size ({world_size}) is not divisible by expert_tensor_model_pipeline_parallel size "
+            f"({etp * ep * pp})"
+        )
+    expert_dp = world_size // (etp * ep * pp)
+    assert order.endswith("pp") or pp == 1 or expert_dp == dp, (
+        "When not using pp-last rank ordering, the data parallel size of the attention and moe layers must be the same"
     )
-    expert = RankGenerator(tp=tp, ep=1, dp=dp * cp, pp=pp, cp=1, order=order, rank_offset=rank_offset)
+    expert = RankGenerator(tp=etp, ep=ep, dp=expert_dp, pp=pp, cp=1, order=order, rank_offset=rank_offset)
+    assert generator.get_ranks("pp") == expert.get_ranks("pp"), (
+        "Pipeline parallel groups are expected to be the same for Non-Expert and Expert part, but got "
+        f"{generator.get_ranks('pp')} and {expert.get_ranks('pp')}"
+    )
     embedding_ranks_of = get_embedding_ranks or default_embedding_ranks
     position_ranks_of = get_position_embedding_ranks or default_position_embedding_ranks
     timeout = timedelta(minutes=distributed_timeout_minutes)
