@@ -168,6 +168,12 @@ def run_script(script, args: list[str], cwd, *, env: dict | None = None, timeout
     return subprocess.CompletedProcess([sys.executable, script, *args], proc.exitcode, stdout, stderr)
 
 
+def ok(result):
+    """``result`` (a CompletedProcess), asserted to have succeeded."""
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    return result
+
+
 def run_pretrain(args: list[str], cwd, *, env: dict | None = None, timeout: float = 240.0):
     """``python pretrain.py ARGS`` through ``run_script``."""
     return run_script(PRETRAIN, args, cwd, env=env, timeout=timeout)

@@ -8,7 +8,7 @@ weights, the same data), to float rounding. A full resume at another layout is s
 from __future__ import annotations
 
 import pytest
-from dist_helpers import parse_losses, run_pretrain
+from dist_helpers import ok, parse_losses, run_pretrain
 
 from megatron_lite.training.arguments import parse_args
 
@@ -29,11 +29,6 @@ LAYOUTS = {
     ),
     "tp1_pp1": ([], "tp=1 pp=1"),
 }
-
-
-def ok(result):
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
-    return result
 
 
 def first_loss(result) -> float:

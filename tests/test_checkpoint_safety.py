@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_helpers import SMALL_MODEL, loss_lines, run_pretrain
-from test_checkpointing import ok, tree_digest
+from dist_helpers import SMALL_MODEL, loss_lines, ok, run_pretrain
+from test_checkpointing import tree_digest
 
 from megatron_lite.core.utils import init_method_normal
 from megatron_lite.training.arguments import parse_args

@@ -6,14 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_helpers import SMALL_MODEL, loss_lines, parse_losses, run_pretrain
+from dist_helpers import SMALL_MODEL, loss_lines, ok, parse_losses, run_pretrain
 
 ARGS = [*SMALL_MODEL, "--num-workers", "0"]
-
-
-def ok(result):
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
-    return result
 
 
 def refused(result, needle: str) -> str:

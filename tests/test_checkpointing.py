@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from dist_helpers import SMALL_MODEL, loss_lines, parse_losses, run_pretrain
+from dist_helpers import SMALL_MODEL, loss_lines, ok, parse_losses, run_pretrain
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_launcher import Job, _alive, _children, _rank_of
 
@@ -32,11 +32,6 @@ def tb_steps(logdir, tag="lm loss") -> list[int]:
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
     return [e.step for e in acc.Scalars(tag)]
-
-
-def ok(result):
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
-    return result
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,12 @@ import importlib.util
 
 import pytest
 import torch
-from dist_helpers import REPO, SMALL_MODEL, parse_losses, run_pretrain, run_script
+from dist_helpers import REPO, SMALL_MODEL, ok, parse_losses, run_pretrain, run_script
 
 TOOL = REPO / "tools" / "convert_checkpoint_format.py"
 BASE = [*SMALL_MODEL, "--train-iters", "8"]
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 TP1_PP2 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
-
-
-def ok(result):
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
-    return result
 
 
 def convert(cwd, *args: str) -> str:

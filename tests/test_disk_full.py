@@ -15,8 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dist_helpers import PRETRAIN, REPO, SMALL_MODEL, loss_lines, run_pretrain
-from test_checkpointing import ok, tree_digest
+from dist_helpers import PRETRAIN, REPO, SMALL_MODEL, loss_lines, ok, run_pretrain
+from test_checkpointing import tree_digest
 
 ITERS = [*SMALL_MODEL, "--train-iters", "6", "--log-interval", "1"]
 

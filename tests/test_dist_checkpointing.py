@@ -11,15 +11,12 @@ import signal
 import time
 
 import pytest
-from dist_helpers import SMALL_MODEL, loss_lines, parse_losses, run_pretrain
-from test_checkpointing import ok
+from dist_helpers import SMALL_MODEL, loss_lines, ok, parse_losses, run_pretrain
 from test_launcher import Job, _alive, _children
 
 from megatron_lite.core.dist_checkpointing import load_metadata
 
-EIGHT_LAYERS = [
-    ("8" if a == "4" and i and SMALL_MODEL[i - 1] == "--num-layers" else a) for i, a in enumerate(SMALL_MODEL)
-]
+EIGHT_LAYERS = [*SMALL_MODEL, "--num-layers", "8"]  # the last value of a flag wins
 COMMON = [*EIGHT_LAYERS, "--train-iters", "8", "--ckpt-format", "torch_dist"]
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
@@ -96,11 +93,20 @@ def test_distributed_optimizer_on_then_off_across_dp_sizes(saved_tp2_pp2):
     _assert_close(parse_losses(second.stdout), reference, range(7, 9))
 
 
-def test_bf16_run_resumes_an_fp32_checkpoint(saved_tp2_pp2):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--pipeline-model-parallel-size", "4"],
+        # The main parameters' shards start where whole weights do, in pieces of other sizes.
+        ["--pipeline-model-parallel-size", "2", "--nproc-per-node", "4", "--use-distributed-optimizer"],
+    ],
+    ids=["tp1-pp4", "pp2-dp2-distopt"],
+)
+def test_bf16_run_resumes_an_fp32_checkpoint(saved_tp2_pp2, layout):
     """Its fp32 main parameters and its bf16 weights both come from the saved fp32 weights (the same
     tensors, read into two places); an untrained model's loss would be 0.1 off."""
     root, reference, _ = saved_tp2_pp2
-    resumed = _resume(root, ["--pipeline-model-parallel-size", "4"], "--bf16", "--exit-interval", "4")
+    resumed = _resume(root, layout, "--bf16", "--exit-interval", "4")
     assert abs(parse_losses(resumed.stdout)[4] - reference[4]) < 1e-2, (
         parse_losses(resumed.stdout),
         reference,

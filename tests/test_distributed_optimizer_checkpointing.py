@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
-from dist_helpers import loss_lines, parse_losses, run_pretrain
-from test_checkpointing import BASE, _refused, ok
+from dist_helpers import loss_lines, ok, parse_losses, run_pretrain
+from test_checkpointing import BASE, _refused
 from test_launcher import Job, _alive, _children, _rank_of
 
 SHARDED = [

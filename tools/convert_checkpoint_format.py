@@ -99,7 +99,7 @@ def _config(args, iteration: int, saved: dict):
     import enum
 
     from megatron_lite.training.arguments import build_parser, config_from_args
-    from megatron_lite.training.checkpointing.checkpoint_args import ACTIVATIONS
+    from megatron_lite.training.checkpointing.checkpoint_args import saved_activation
     from megatron_lite.training.errors import ConfigError
 
     flags = ["--load", args.load, "--save", args.save, "--ckpt-format", args.ckpt_format]
@@ -113,11 +113,7 @@ def _config(args, iteration: int, saved: dict):
                     continue  # derived again by validate(), or a field the saving version lacked
                 value, current = values[f.name], getattr(target, f.name)
                 if f.name == "activation_func":  # recorded by name
-                    if getattr(value, "__name__", value) not in ACTIVATIONS:
-                        raise ConfigError(
-                            "--load", f"{args.load}'s model uses an unknown activation {value!r}"
-                        )
-                    value = ACTIVATIONS[getattr(value, "__name__", value)]
+                    value = saved_activation(args.load, value, "--load")
                 elif callable(current):
                     continue  # recorded by name only (the init methods): this run's derive the same
                 elif isinstance(current, enum.Enum):

@@ -31,19 +31,6 @@ class ShardedTensor:
                 f"{self.key}: a {shape} piece at {self.global_offset} does not fit in {self.global_shape}"
             )
 
-    @classmethod
-    def from_rank_offsets(
-        cls, key: str, data: torch.Tensor, *rank_offsets, replica_id: int = 0, prepend_axis_num: int = 0, **kw
-    ) -> ShardedTensor:
-        """megatron-core's constructor: ``rank_offsets`` are ``(axis, rank, fragments)``, the data being
-        fragment ``rank`` of ``fragments`` equal ones along ``axis`` (of the global tensor, whose first
-        ``prepend_axis_num`` axes the data lacks, e.g. the layer number of stacked layers)."""
-        local = (1,) * prepend_axis_num + tuple(data.shape)
-        offset, shape = [0] * len(local), list(local)
-        for axis, rank, fragments in rank_offsets:
-            offset[axis], shape[axis] = rank * local[axis], fragments * local[axis]
-        return cls(key, data.view(local), tuple(shape), tuple(offset), replica_id, **kw)
-
 
 @dataclass(frozen=True)
 class Slab:

@@ -107,7 +107,8 @@ def missing_or_mismatched(pieces: list[ShardedTensor], metadata: Metadata) -> li
     return list(dict.fromkeys(problems))
 
 
-def load(pieces: list[ShardedTensor], checkpoint_dir: str) -> None:
+def load(pieces: list[ShardedTensor], checkpoint_dir: str, metadata: Metadata | None = None) -> None:
     """Read every piece in place. Collective over the world; the caller has checked
-    ``missing_or_mismatched`` first."""
-    dcp.load({}, storage_reader=SafeFileSystemReader(checkpoint_dir), planner=ShardedLoadPlanner(pieces))
+    ``missing_or_mismatched`` first (against ``metadata``, reused here when given)."""
+    reader = SafeFileSystemReader(checkpoint_dir, metadata)
+    dcp.load({}, storage_reader=reader, planner=ShardedLoadPlanner(pieces))

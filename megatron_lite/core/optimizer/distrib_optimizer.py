@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_lite.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 from megatron_lite.core.optimizer.optimizer import checkpoint_tensors_by_param
 from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig
+from megatron_lite.core.optimizer.sharded_state import common_state
 from megatron_lite.core.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -165,10 +166,7 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict:
         """Hyper-parameters and the step count; the tensors go to ``distrib_optim.pt``."""
-        steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        step = float(steps[0]) if steps else 0.0
-        return {"param_groups": groups, "step": step, "use_distributed_optimizer": True}
+        return {**common_state(self), "use_distributed_optimizer": True}
 
     def load_state_dict(self, state: dict) -> None:
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):

@@ -38,11 +38,15 @@ def _state(optimizer, main: torch.Tensor, step: float) -> dict:
     return state
 
 
+def _step(optimizer) -> float:
+    """AdamW's step count (the same for every parameter); 0 before the first step."""
+    return next((float(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s), 0.0)
+
+
 def common_state(optimizer) -> dict:
     """Hyper-parameters per group and the step count: plain values, the same on every rank."""
-    steps = [float(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s]
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
-    return {"param_groups": groups, "step": steps[0] if steps else 0.0}
+    return {"param_groups": groups, "step": _step(optimizer)}
 
 
 def optimizer_pieces(
@@ -52,7 +56,7 @@ def optimizer_pieces(
     ``{param: (slabs, replica_id)}``. ``fp32_from``: the prefix of the fp32 main parameters' tensors
     (``""``: the model's own, for a checkpoint that has none); None leaves them out. ``moments``
     False: the fp32 main parameters only (``--load-main-params-from-ckpt``)."""
-    step = common_state(optimizer)["step"]
+    step = _step(optimizer)
     pieces = []
     for param, start, main, is_copy in _ranges(optimizer):
         if param not in placement:

@@ -41,7 +41,7 @@ _EXTRA_FIELDS = (
 )
 
 # Checkpoints record the activation by name (safety.plain); names an older file pickled as functions too.
-ACTIVATIONS = {
+_ACTIVATIONS = {
     "gelu": F.gelu,
     "silu": F.silu,
     "relu": F.relu,
@@ -55,15 +55,16 @@ def _fields() -> list[str]:
     return names + [n for n in _EXTRA_FIELDS if n not in names]
 
 
-def _activation(root: str, value):
+def saved_activation(root: str, value, flag: str = FLAG):
+    """The activation a checkpoint recorded by name (ConfigError naming ``flag`` for one unknown)."""
     name = getattr(value, "__name__", value)
-    if name not in ACTIVATIONS:
+    if name not in _ACTIVATIONS:
         raise ConfigError(
-            FLAG,
+            flag,
             f"{root}'s model uses the activation {name!r}, which megatron_lite cannot build "
-            f"(it knows {', '.join(sorted(ACTIVATIONS))})",
+            f"(it knows {', '.join(sorted(_ACTIVATIONS))})",
         )
-    return ACTIVATIONS[name]
+    return _ACTIVATIONS[name]
 
 
 def _saved_model(config) -> tuple[str, dict]:
@@ -98,7 +99,7 @@ def model_from_checkpoint(args: argparse.Namespace, config) -> None:
     for name in _fields():
         if name not in saved or not hasattr(m, name):
             continue  # a field the saving version did not have, or this one does not
-        value = _activation(root, saved[name]) if name == "activation_func" else saved[name]
+        value = saved_activation(root, saved[name]) if name == "activation_func" else saved[name]
         if name in given and getattr(m, name) != value:
             overridden.append(f"{given[name]} gives way to the checkpoint's {name}={value!r}")
         setattr(m, name, value)

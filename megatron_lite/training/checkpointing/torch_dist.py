@@ -127,25 +127,30 @@ def _unreadable(flag: str, root: str, iteration: int, err: Exception) -> str:
     ]
 
 
-def _fit_error(pieces, root: str, iteration: int, flag: str = "--load") -> str | None:
-    """One line naming what the checkpoint lacks for ``pieces`` (None when it holds them all)."""
-    problems = missing_or_mismatched(pieces, load_metadata(os.path.join(root, f"iter_{iteration:07d}")))
+def _iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _fit_error(pieces, metadata, root: str, iteration: int, flag: str = "--load") -> str | None:
+    """One line naming what the checkpoint (its DCP ``metadata``) lacks for ``pieces``; None when it
+    holds them all."""
+    problems = missing_or_mismatched(pieces, metadata)
     if not problems:
         return None
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     return f"{flag} {root}: iteration {iteration} does not fit this model: {problems[0]}{more}"
 
 
-def read_pieces(pieces, root: str, iteration: int, flag: str = "--load") -> None:
-    """Read ``pieces`` in place from iteration ``iteration`` of ``root``. Collective over the world;
-    a failure on any rank is one CheckpointError on all."""
+def read_pieces(pieces, metadata, root: str, iteration: int, flag: str = "--load") -> None:
+    """Read ``pieces`` in place from iteration ``iteration`` of ``root`` (whose ``metadata`` the
+    caller read). Collective over the world; a failure on any rank is one CheckpointError on all."""
     error = None
     for piece in pieces:
         if piece.allow_shape_mismatch:
             piece.data.zero_()  # padding rows the checkpoint does not cover start at zero
     try:
         with torch.no_grad():
-            load(pieces, os.path.join(root, f"iter_{iteration:07d}"))
+            load(pieces, _iteration_dir(root, iteration), metadata)
     except Exception as err:
         error = _unreadable(flag, root, iteration, err)
     agree(error)
@@ -154,13 +159,14 @@ def read_pieces(pieces, root: str, iteration: int, flag: str = "--load") -> None
 def load_distributed_weights(model, model_cfg, root: str, iteration: int, flag: str = "--load") -> None:
     """Only the weights of iteration ``iteration`` of the ``torch_dist`` checkpoint ``root``, at this
     world's layout (a Hugging Face export, a conversion). Collective over the world."""
-    error, pieces = None, sharded_pieces(model, None, model_cfg, with_optimizer=False)
+    error, metadata, pieces = None, None, sharded_pieces(model, None, model_cfg, with_optimizer=False)
     try:
-        error = _fit_error(pieces, root, iteration, flag)
+        metadata = load_metadata(_iteration_dir(root, iteration))
+        error = _fit_error(pieces, metadata, root, iteration, flag)
     except Exception as err:
         error = _unreadable(flag, root, iteration, err)
     agree(error)
-    read_pieces(pieces, root, iteration, flag)
+    read_pieces(pieces, metadata, root, iteration, flag)
 
 
 def load_distributed(state, model, optimizer, scheduler, root: str, iteration: int, finetune: bool) -> None:
@@ -170,7 +176,7 @@ def load_distributed(state, model, optimizer, scheduler, root: str, iteration: i
     with_optimizer = cfg.load_optim and not finetune
     # Without the optimizer's state: the fp32 main parameters from the checkpoint's fp32 values.
     mains_only = not with_optimizer and cfg.load_main_params_from_ckpt
-    error, common, pieces = None, None, []
+    error, common, pieces, metadata = None, None, [], None
     try:
         common = read_common(root, iteration)
         error = resharded_model_error(root, common["config"], model_cfg)
@@ -191,7 +197,8 @@ def load_distributed(state, model, optimizer, scheduler, root: str, iteration: i
                 # An fp32 model takes its weights from the fp32 main parameters saved beside bf16 ones.
                 fp32_weights_from=FP32_PARAM if fp32_saved and with_optimizer else "",
             )
-            error = _fit_error(pieces, root, iteration)
+            metadata = load_metadata(_iteration_dir(root, iteration))
+            error = _fit_error(pieces, metadata, root, iteration)
     except CheckpointError as err:
         error = str(err)
     except Exception as err:  # an unreadable .metadata, a common.pt of an unexpected shape
@@ -204,7 +211,7 @@ def load_distributed(state, model, optimizer, scheduler, root: str, iteration: i
             f"{describe_layout(model_cfg.tensor_model_parallel_size, model_cfg)} dp={now['data_parallel_size']}",
             flush=True,
         )
-    read_pieces(pieces, root, iteration)
+    read_pieces(pieces, metadata, root, iteration)
     if not finetune:
         state.train_state.load_state_dict(train_state)
         if with_optimizer:

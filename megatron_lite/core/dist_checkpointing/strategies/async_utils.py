@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 from megatron_lite.core.dist_checkpointing.serialization import SaveRequest
 from megatron_lite.utils.process import die_with_parent, name_process
 
-# Fault-injection tests widen the window in which a background write is in flight.
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+# Fault-injection tests widen the window in which a background write is in flight.
 _TEST_WRITE_DELAY_S = float(os.environ.get("MEGATRON_LITE_TEST_ASYNC_WRITE_DELAY_S", "0"))
 
 
@@ -94,10 +94,6 @@ class AsyncWriter:
         # Pickled here, not in the queue's feeder thread, where a failure would vanish unreported.
         self._jobs.put(bytes(ForkingPickler.dumps((request, self._buffers if fresh else None))))
         self._sent, self._pending = True, True
-
-    @property
-    def pending(self) -> bool:
-        return self._pending
 
     def poll(self, timeout: float | None = 0.0):
         """``None`` while the write runs; then ``("done", results)`` or ``("failed", reason)`` once.

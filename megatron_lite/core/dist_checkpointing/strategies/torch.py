@@ -83,9 +83,17 @@ class _MetadataUnpickler(pickle._Unpickler):
 
 class SafeFileSystemReader(FileSystemReader):
     """DCP's reader, with ``.metadata`` read through ``_MetadataUnpickler`` and every data file it
-    names checked to be one of this directory's ``__<rank>_<n>.distcp``."""
+    names checked to be one of this directory's ``__<rank>_<n>.distcp``; ``metadata``: what an
+    earlier ``read_metadata`` returned, so a load does not read the file again."""
+
+    def __init__(self, path, metadata: Metadata | None = None):
+        super().__init__(path)
+        self._metadata = metadata
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self._metadata is not None:
+            self._metadata.storage_meta.load_id = self.load_id
+            return self._metadata
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -178,29 +186,31 @@ def overlap(piece: ShardedTensor, saved_shape) -> tuple[tuple[int, ...], tuple[i
 
 class ShardedLoadPlanner(LoadPlanner):
     """Reads every piece (every replica) in place from whatever chunks the checkpoint holds. The
-    caller has checked that each key is saved, with this global shape unless it allows a mismatch."""
+    caller has checked that each key is saved, with this global shape unless it allows a mismatch.
+    Each piece is its own local chunk of its key (DCP's read items name it by its position in the
+    key's list), so pieces that overlap, such as a weight and its fp32 main copy, each get read."""
 
     def __init__(self, pieces: list[ShardedTensor]):
         self.pieces = pieces
-        # Several pieces may read the same saved region (a model weight and its fp32 main copy).
-        self.targets: dict[tuple[str, tuple[int, ...]], list[torch.Tensor]] = {}
+        self.targets: dict[str, list[torch.Tensor]] = {}
 
     def set_up_planner(self, state_dict=None, metadata: Metadata | None = None, is_coordinator=False) -> None:
         self.metadata, self.is_coordinator = metadata, is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
-        items = []
+        chunks: dict[str, list[ChunkStorageMetadata]] = {}
         for piece in self.pieces:
-            saved = self.metadata.state_dict_metadata[piece.key]
-            part = overlap(piece, tuple(saved.size))
+            part = overlap(piece, tuple(self.metadata.state_dict_metadata[piece.key].size))
             if part is None:
                 continue
             offset, size = part
-            targets = self.targets.setdefault((piece.key, offset), [])
-            targets.append(piece.data[tuple(slice(0, s) for s in size)])
-            if len(targets) == 1:
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(size))
-                items += create_read_items_for_chunk_list(piece.key, saved, [chunk])
+            self.targets.setdefault(piece.key, []).append(piece.data[tuple(slice(0, s) for s in size)])
+            chunks.setdefault(piece.key, []).append(
+                ChunkStorageMetadata(torch.Size(offset), torch.Size(size))
+            )
+        items = []
+        for key, local in chunks.items():
+            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], local)
         return LoadPlan(items)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
@@ -212,15 +222,9 @@ class ShardedLoadPlanner(LoadPlanner):
     def load_bytes(self, read_item, value) -> None:
         raise ValueError(f"{read_item.dest_index.fqn}: megatron_lite reads tensors only from a checkpoint")
 
-    def _regions(self, read_item) -> list[torch.Tensor]:
-        region = tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))
-        return [
-            t[region] for t in self.targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-        ]
-
     def resolve_tensor(self, read_item) -> torch.Tensor:
-        return self._regions(read_item)[0]
+        target = self.targets[read_item.dest_index.fqn][read_item.dest_index.index]
+        return target[tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))]
 
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
-        for other in self._regions(read_item)[1:]:  # the first was read in place
-            other.copy_(tensor)
+        pass  # read in place

@@ -15,7 +15,13 @@ that wrote it.
 from __future__ import annotations
 
 from megatron_lite.core.dist_checkpointing.mapping import Slab
-from megatron_lite.core.models.gpt.state_dict_sharding import VOCAB_PARALLEL, layer_index, tp_split_dim
+from megatron_lite.core.models.gpt.state_dict_sharding import (
+    VOCAB_PARALLEL,
+    is_gated_fc1,
+    layer_index,
+    tp_split_dim,
+)
+from megatron_lite.core.utils import unwrap_model
 
 _NORM_KEYS = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -33,11 +39,6 @@ def checkpoint_key(name: str) -> str:
         if rest.startswith(ours):
             rest = theirs + rest[len(ours) :]
     return "decoder.layers." + rest
-
-
-def is_tied_output(name: str, tied: bool, has_embedding: bool) -> bool:
-    """An output-layer weight that is a copy of the word embedding (a chunk without the embedding)."""
-    return tied and name == "output_layer.weight" and not has_embedding
 
 
 def parameter_slabs(
@@ -58,7 +59,7 @@ def parameter_slabs(
         return [Slab(key, 0, rows, offset, shape, layer)], False
     rest = (0,) * (len(local_shape) - 1)
     shape = (rows * tp_size, *local_shape[1:])
-    if gated and name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
+    if is_gated_fc1(name, gated):
         half = rows // 2
         return [
             Slab(key, 0, half, (half * tp_rank, *rest), shape, layer),
@@ -72,27 +73,14 @@ def chunk_slabs(
     chunk, *, layer_offset: int, num_layers: int, tp_rank: int, tp_size: int, gated: bool, tied: bool
 ):
     """``{parameter: (slabs, replicated_over_tp, read_only)}`` for a model chunk (DDP-wrapped or not);
-    ``read_only``: a tied output layer, loaded from the embedding and never saved."""
-    module = chunk
-    while hasattr(module, "module"):
-        module = module.module
-    has_embedding = any(n == _TIED for n, _ in module.named_parameters())
+    ``read_only``: an output layer tied to the word embedding in a chunk without it (a copy, loaded
+    from the embedding and never saved)."""
+    params = dict(unwrap_model(chunk).named_parameters())
     found = {}
-    for name, param in module.named_parameters():
-        if is_tied_output(name, tied, has_embedding):
-            slabs, _ = parameter_slabs(
-                _TIED,
-                param.shape,
-                layer_offset=0,
-                num_layers=num_layers,
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-                gated=gated,
-            )
-            found[param] = (slabs, False, True)
-            continue
+    for name, param in params.items():
+        read_only = tied and name == "output_layer.weight" and _TIED not in params
         slabs, replicated = parameter_slabs(
-            name,
+            _TIED if read_only else name,
             param.shape,
             layer_offset=layer_offset,
             num_layers=num_layers,
@@ -100,5 +88,5 @@ def chunk_slabs(
             tp_size=tp_size,
             gated=gated,
         )
-        found[param] = (slabs, replicated, False)
+        found[param] = (slabs, replicated and not read_only, read_only)
     return found

@@ -34,7 +34,7 @@ def tp_split_dim(name: str) -> int | None:
     return None
 
 
-def _is_gated_fc1(name: str, gated: bool) -> bool:
+def is_gated_fc1(name: str, gated: bool) -> bool:
     return gated and name.endswith(_FC1)
 
 
@@ -51,7 +51,7 @@ def tp_shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int, *, gated
         return shard
     if dim is None or tp_size == 1:
         return full
-    if _is_gated_fc1(name, gated):
+    if is_gated_fc1(name, gated):
         gate, up = full.chunk(2, dim=0)
         return torch.cat((gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]))
     return full.chunk(tp_size, dim=dim)[tp_rank]
@@ -62,7 +62,7 @@ def merge_tp_shards(name: str, shards: list[torch.Tensor], *, gated: bool, vocab
     dim = tp_split_dim(name)
     if dim is None:
         return shards[0]
-    if _is_gated_fc1(name, gated):
+    if is_gated_fc1(name, gated):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([g for g, _ in halves] + [u for _, u in halves])
     full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)

@@ -79,7 +79,7 @@ def check_supported(cfg) -> None:
         raise ConfigError(
             "--ckpt-format",
             f"{ck.ckpt_format!r} is not supported; megatron_lite saves 'torch' (legacy) or 'torch_dist' "
-            "(and loads either, whichever --ckpt-format says)",
+            "(and loads either, whatever --ckpt-format says)",
         )
     if ck.async_save and ck.ckpt_format != "torch_dist":
         raise ConfigError("--async-save", "is only supported with --ckpt-format torch_dist (as upstream)")
