@@ -126,7 +126,7 @@ def _edit_config(src: str, dst, **changes) -> str:
     [
         ("mistral", {"sliding_window": 8}, "sliding_window=8"),
         ("qwen2", {"model_type": "qwen3"}, "q_norm / k_norm"),
-        ("llama", {"model_type": "mixtral", "num_local_experts": 8}, "num_local_experts"),
+        ("llama", {"model_type": "qwen3_moe", "num_experts": 8}, "num_experts (mixture of experts)"),
         ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling="),
         ("gpt2", {"activation_function": "relu"}, "activation_function='relu'"),

@@ -46,6 +46,10 @@ LEGITIMATE = {
     ("--profile-ranks", "0"): "profile rank 0 (the default)",
     ("--start-weight-decay", "0"): "weight decay rising from none",
     ("--end-weight-decay", "0"): "no weight decay (with --start-weight-decay 0)",
+    ("--num-experts", "0"): "a dense model, as upstream",
+    ("--moe-aux-loss-coeff", "0"): "no load-balancing loss (the default)",
+    ("--moe-z-loss-coeff", "0"): "no z-loss",
+    ("--moe-expert-capacity-factor", "-1"): "no capacity limit, as upstream",
 }
 
 # What a flag needs beside it to be judged on its own value.
@@ -57,6 +61,7 @@ CONTEXT = {
     "--device-memory-gb": ["--memory-preflight"],
     "--start-weight-decay": ["--end-weight-decay", "0.1", "--weight-decay-incr-style", "linear"],
     "--end-weight-decay": ["--start-weight-decay", "0", "--weight-decay-incr-style", "linear"],
+    "--moe-z-loss-coeff": ["--num-experts", "4"],
 }
 
 NUMERIC_METAVARS = ("N", "X", "GB")

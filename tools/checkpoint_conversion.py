@@ -71,6 +71,9 @@ def _check(args, bridge) -> int:
         ("num_attention_heads", provider.num_attention_heads),
         ("num_query_groups", provider.num_query_groups),
         ("ffn_hidden_size", provider.ffn_hidden_size),
+        # Each expert and the shared expert split like the dense MLP (expert TP is TP here).
+        ("moe_ffn_hidden_size", provider.moe_ffn_hidden_size or 0),
+        ("moe_shared_expert_intermediate_size", provider.moe_shared_expert_intermediate_size or 0),
     ):
         if value % tp:
             raise BridgeError(

@@ -37,8 +37,8 @@ class _PrecisionDtype:
 class ModelParallelConfig:
     """Parallel sizes, initialisation and precision shared by the parallel layers and schedules.
 
-    Features megatron_lite does not have yet (expert
-    parallelism) keep upstream's field so configs port, and are refused where a run is set up.
+    Features megatron_lite does not have keep upstream's field so configs port, and are refused where
+    a run is set up.
     """
 
     tensor_model_parallel_size: int = 1
@@ -56,7 +56,7 @@ class ModelParallelConfig:
     sequence_parallel: bool = False
     """Split norms, dropout and residuals along the sequence over the tensor-parallel ranks (tp > 1)."""
     expert_model_parallel_size: int = 1
-    """Expert-parallel size (MoE is not supported: 1)."""
+    """Expert-parallel size: the routed experts of each MoE layer are split over this many ranks."""
     expert_tensor_parallel_size: int | None = None
     """Expert tensor-parallel size; None means tensor_model_parallel_size."""
 

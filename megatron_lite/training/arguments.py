@@ -23,6 +23,7 @@ from megatron_lite.training.config.flags import FLAGS, PROFILING_FLAGS, UNSUPPOR
 from megatron_lite.training.config.profiling import ProfilingConfig
 from megatron_lite.training.config.ranges import check_parsed_flags
 from megatron_lite.training.data_arguments import dataset_from_args, prepare_dataset_section
+from megatron_lite.training.moe_arguments import moe_from_args
 from megatron_lite.training.parallel_arguments import virtual_pipeline_from_args
 
 
@@ -59,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(flag, dest=dest, action=kind, default=None, help=help_text)
         elif kind == "+":
             group.add_argument(flag, dest=dest, nargs="+", default=None, metavar="S", help=help_text)
+        elif isinstance(kind, list):  # [type]: one or more values of that type
+            group.add_argument(
+                flag,
+                dest=dest,
+                nargs="+",
+                type=kind[0],
+                default=None,
+                metavar=metavars[kind[0]],
+                help=help_text,
+            )
         else:
             default = getattr(getattr(defaults, section), name) if name else None
             group.add_argument(
@@ -169,6 +180,7 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
     m.seq_length = config.dataset.seq_length
     if args.use_checkpoint_args:  # the saved architecture replaces the flags' and what they derived
         model_from_checkpoint(args, config)
+    moe_from_args(args, m)
     config.dataset.random_seed = config.rng.seed
     config.optimizer.bf16, config.optimizer.fp16 = m.bf16, m.fp16
     lg = config.logger

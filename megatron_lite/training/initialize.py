@@ -58,6 +58,8 @@ def initialize_megatron(config: ConfigContainer) -> ProcessGroupCollection:
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         context_parallel_size=m.context_parallel_size,
+        expert_model_parallel_size=m.expert_model_parallel_size,
+        expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size
         if (m.virtual_pipeline_model_parallel_size or 1) > 1
         else None,

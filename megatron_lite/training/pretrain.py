@@ -20,10 +20,17 @@ def _print_layout(config: ConfigContainer) -> None:
     if dist.get_rank() != 0:
         return
     m = config.model
+    experts = ""
+    if m.num_moe_experts:  # the experts' own grid over the same ranks
+        experts = (
+            f" | {m.num_moe_experts} experts: etp {parallel_state.get_expert_tensor_parallel_world_size()} x "
+            f"ep {parallel_state.get_expert_model_parallel_world_size()} x "
+            f"expert dp {parallel_state.get_expert_data_parallel_world_size()}"
+        )
     print(
         f" megatron_lite: world {dist.get_world_size()} = tp {m.tensor_model_parallel_size} x "
         f"pp {m.pipeline_model_parallel_size} x cp {m.context_parallel_size} x "
-        f"dp {parallel_state.get_data_parallel_world_size()} | backend {dist.get_backend()} | "
+        f"dp {parallel_state.get_data_parallel_world_size()}{experts} | backend {dist.get_backend()} | "
         f"{config.num_microbatches} microbatches of {config.train.micro_batch_size} per step",
         flush=True,
     )

@@ -129,7 +129,13 @@ def build_model_and_optimizer(
             module.to(device)
         # Context-parallel ranks hold the same weights and see different tokens: average over both.
         model.append(
-            DistributedDataParallel(model_config, module, dp_group=pg_collection.dp_cp, ddp_config=config.ddp)
+            DistributedDataParallel(
+                model_config,
+                module,
+                dp_group=pg_collection.dp_cp,
+                ddp_config=config.ddp,
+                expt_dp_group=pg_collection.expt_dp,
+            )
         )
         ACTIVATION_MEMORY.exclude_parameters(module.parameters())
     # The schedules call these: no_sync around all but the last microbatch, finalize after it.
@@ -144,6 +150,8 @@ def build_model_and_optimizer(
             tp_group=pg_collection.tp,
             dp_group=pg_collection.dp_cp,
             foreach=foreach,
+            expert_model_parallel_group=pg_collection.tp_ep_pp,
+            expert_dp_group=pg_collection.expt_dp,
         )
     else:
         optimizer = MegatronOptimizer(
@@ -152,6 +160,7 @@ def build_model_and_optimizer(
             model_parallel_group=pg_collection.mp,
             tp_group=pg_collection.tp,
             foreach=foreach,
+            expert_model_parallel_group=pg_collection.tp_ep_pp,
         )
     OPTIMIZER_STATE_MEMORY.track(optimizer)  # the memory report measures its state,
     MODEL_MEMORY.track(model)  # and the chunks' weights and gradient buffers

@@ -28,6 +28,7 @@ from megatron_lite.training.profiling import (
 from megatron_lite.training.utils.flop_utils import num_floating_point_operations
 from megatron_lite.training.utils.loss_reduction import accumulate_loss_reports, reduce_loss_reports
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
+from megatron_lite.training.utils.moe_metrics import moe_metrics
 from megatron_lite.training.utils.train_utils import print_rank_last, training_log
 
 __all__ = ["train", "train_step", "training_log"]
@@ -181,7 +182,12 @@ def train(forward_step_func, setup_output) -> None:
             params_norm = s.optimizer.get_params_norm() if config.logger.log_params_norm else None
             # Memory: collective over the pipeline group on EVERY PP rank, here, before training_log's
             # loggers_exist-gated block (only the last rank has loggers; the peak is on stage 0).
-            memory_report = memory_metrics(config.logger, ts.step, s.pg_collection.pp)
+            # MoE: first the max over the expert-parallel ranks of the stage (they differ by routing).
+            memory_report = memory_metrics(
+                config.logger, ts.step, s.pg_collection.pp, ep_group=s.pg_collection.ep
+            )
+            # MoE: every rank, every iteration (collective over pp, the sequence split and dp).
+            moe_report = moe_metrics(config, s.pg_collection, config.num_microbatches)
             report_memory_flag = training_log(
                 loss_dict,
                 total_loss_dict,
@@ -200,6 +206,7 @@ def train(forward_step_func, setup_output) -> None:
                 pg_collection=s.pg_collection,
                 loaded_iteration=loaded_iteration,
                 memory_report=memory_report,
+                moe_report=moe_report,
             )
             handle_profiling_stop(prof_config, ts.step, rank, prof, nsys_context)
             if (

@@ -47,6 +47,7 @@ class Slab:
     global_shape: tuple[int, ...]
     layer: tuple[int, int] | None = None  # (index, number of layers)
     allow_shape_mismatch: bool = False
+    expert: tuple[int, int] | None = None  # (global index, number of experts): an axis after the layer's
 
 
 def _rectangles(x: int, y: int, row: int):
@@ -86,9 +87,10 @@ def flat_range_pieces(
             if len(local_shape) == 2:
                 offset[1] += c
             global_shape, offset = slab.global_shape, tuple(offset)
-            if slab.layer is not None:
-                shape, offset = (1, *shape), (slab.layer[0], *offset)
-                global_shape = (slab.layer[1], *global_shape)
+            for axis in (slab.expert, slab.layer):  # prepended innermost first: [layer, expert, ...]
+                if axis is not None:
+                    shape, offset = (1, *shape), (axis[0], *offset)
+                    global_shape = (axis[1], *global_shape)
             pieces.append(
                 ShardedTensor(
                     prefix + slab.key,

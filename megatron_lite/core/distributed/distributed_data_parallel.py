@@ -25,11 +25,24 @@ class DistributedDataParallel(nn.Module):
     """Wraps a model chunk; ``module`` is the wrapped model. ``ddp_config`` reads upstream's
     ``overlap_grad_reduce``, ``overlap_param_gather``, ``use_distributed_optimizer``, ``bucket_size``."""
 
-    def __init__(self, config, module: nn.Module, *, dp_group=None, bucket_size=None, ddp_config=None):
+    def __init__(
+        self,
+        config,
+        module: nn.Module,
+        *,
+        dp_group=None,
+        bucket_size=None,
+        ddp_config=None,
+        expt_dp_group=None,
+    ):
+        """A MoE model's routed experts (``allreduce`` False) get buffers of their own, reduced over
+        ``expt_dp_group`` and scaled like the rest by 1 / dp (megatron-core's expert gradient scaling:
+        an expert already summed the gradients of the tokens every expert-parallel rank sent it)."""
         super().__init__()
         self.config = config
         self.module = module
         self.dp_group = dp_group
+        self.expt_dp_group = expt_dp_group
         self.overlap_grad_reduce = bool(getattr(ddp_config, "overlap_grad_reduce", False))
         self.overlap_param_gather = bool(getattr(ddp_config, "overlap_param_gather", False))
         self.use_distributed_optimizer = bool(getattr(ddp_config, "use_distributed_optimizer", False))
@@ -45,17 +58,18 @@ class DistributedDataParallel(nn.Module):
         if not self.overlap_grad_reduce:
             bucket_size = None  # as upstream: nothing to overlap, so one bucket per buffer
         params = [p for p in module.parameters() if p.requires_grad]
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        by_kind: dict[tuple[bool, torch.dtype], list[nn.Parameter]] = {}
         for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
+            by_kind.setdefault((not getattr(p, "allreduce", True), p.dtype), []).append(p)
         self.buffers = [
             _ParamAndGradBuffer(
                 group,
-                dp_group=dp_group,
+                dp_group=expt_dp_group if expert else dp_group,
                 bucket_size=bucket_size,
                 use_distributed_optimizer=self.use_distributed_optimizer,
+                gradient_scaling_factor=1.0 / dp_size,
             )
-            for group in by_dtype.values()
+            for (expert, _), group in sorted(by_kind.items(), key=lambda kv: kv[0][0])
         ]
         self.buckets = [b for buf in self.buffers for b in buf.buckets]
         self._buffer_of = {p: buf for buf in self.buffers for p in buf.param_index_map}

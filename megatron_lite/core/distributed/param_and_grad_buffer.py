@@ -22,7 +22,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class _ParamAndGradBucket:
     """One bucket: views into its buffer's grad (and param) data, and its pending work handles."""
 
-    def __init__(self, params, grad_data, param_data, offset, numel_unpadded, dp_group, use_dist_opt):
+    def __init__(
+        self, params, grad_data, param_data, offset, numel_unpadded, dp_group, use_dist_opt, scaling
+    ):
         self.params = params
         self.grad_data = grad_data
         self.param_data = param_data
@@ -32,6 +34,7 @@ class _ParamAndGradBucket:
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
         self.use_dist_opt = use_dist_opt
+        self.gradient_scaling_factor = 1.0 / self.dp_size if scaling is None else scaling
         self.grad_handle = None
         self.param_handle = None
         self.ready: set[nn.Parameter] = set()
@@ -47,9 +50,10 @@ class _ParamAndGradBucket:
         """Average the bucket's gradients over dp: reduce-scatter into this rank's shard (distributed
         optimizer, unless ``force_all_reduce``) or all-reduce. Collective over the dp group."""
         self.grad_sync_started = True
+        if self.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(self.gradient_scaling_factor)
         if self.dp_size == 1:
             return
-        self.grad_data.mul_(1.0 / self.dp_size)
         if self.use_dist_opt and not force_all_reduce:
             self.grad_handle = _reduce_scatter(
                 self.shard(self.grad_data), self.grad_data, group=self.dp_group, async_op=async_op
@@ -85,7 +89,17 @@ class _ParamAndGradBuffer:
     """All parameters of one dtype of a model chunk: the buffers, the buckets, and each parameter's
     place (``param_index_map[p] = (start, end, bucket_index)`` in the buffer)."""
 
-    def __init__(self, params, *, dp_group, bucket_size: int | None, use_distributed_optimizer: bool):
+    def __init__(
+        self,
+        params,
+        *,
+        dp_group,
+        bucket_size: int | None,
+        use_distributed_optimizer: bool,
+        gradient_scaling_factor: float | None = None,
+    ):
+        """``gradient_scaling_factor``: what the gradients are multiplied by before the reduction
+        (None: 1 / the size of ``dp_group``, the mean)."""
         dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.param_index_map: dict[nn.Parameter, tuple[int, int, int]] = {}
         self.param_unpadded_start: dict[nn.Parameter, int] = {}  # offset with bucket padding removed
@@ -137,6 +151,7 @@ class _ParamAndGradBuffer:
                 numel,
                 dp_group,
                 use_distributed_optimizer,
+                gradient_scaling_factor,
             )
             for bucket_params, begin, numel, padded in layout
         ]

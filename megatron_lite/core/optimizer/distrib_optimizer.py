@@ -9,8 +9,9 @@ parameter buffer, and all-gathers every bucket's parameters back (asynchronously
 ``overlap_param_gather``).
 
 Checkpoints use upstream's legacy ``dp_zero`` form: ``get_parameter_state_dp_zero`` gathers the
-shards on dp rank 0 into one fp32 tensor per buffer and key (``param``, ``exp_avg``, ``exp_avg_sq``)
-with bucket padding removed, so a load may use another data-parallel size.
+shards (of an expert buffer: over the expert-dp group) into one fp32 tensor per buffer and key
+(``param``, ``exp_avg``, ``exp_avg_sq``) with bucket padding removed, so a load may use another
+data-parallel size.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
-from megatron_lite.core.optimizer.optimizer import checkpoint_tensors_by_param
+from megatron_lite.core.optimizer.optimizer import checkpoint_tensors_by_param, has_experts, split_for_norm
 from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig
 from megatron_lite.core.optimizer.sharded_state import common_state
-from megatron_lite.core.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -60,6 +60,19 @@ def _shard_ranges(model_chunks) -> list[_ShardRange]:
     return ranges
 
 
+def _gather(tensor: torch.Tensor, bucket, everywhere: bool) -> list[torch.Tensor] | None:
+    """Every rank's ``tensor`` over ``bucket``'s data-parallel group, in rank order: on its rank 0
+    only (None elsewhere), or on every rank with ``everywhere``."""
+    if bucket.dp_size == 1:
+        return [tensor]
+    gathered = [torch.zeros_like(tensor) for _ in range(bucket.dp_size)]
+    if everywhere:
+        dist.all_gather(gathered, tensor, group=bucket.dp_group)
+        return gathered
+    dist.gather(tensor, gathered if bucket.dp_rank == 0 else None, group=bucket.dp_group, group_dst=0)
+    return gathered if bucket.dp_rank == 0 else None
+
+
 class DistributedOptimizer:
     """MegatronOptimizer's interface (step, zero_grad, state dicts, norms) over sharded state."""
 
@@ -72,11 +85,17 @@ class DistributedOptimizer:
         tp_group=None,
         dp_group=None,
         foreach: bool | None = None,
+        expert_model_parallel_group=None,
+        expert_dp_group=None,
     ):
+        """A MoE model's expert buckets are sharded over ``expert_dp_group`` (DDP built them so)."""
         self.config = config
         self.model_chunks = model_chunks
         self.model_parallel_group = model_parallel_group
         self.dp_group = dp_group
+        self.expert_model_parallel_group = expert_model_parallel_group
+        self.expert_dp_group = expert_dp_group
+        self.has_experts = has_experts(model_chunks)
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         assert all(chunk.use_distributed_optimizer for chunk in model_chunks), (
             "DistributedOptimizer needs DistributedDataParallel built with use_distributed_optimizer"
@@ -107,15 +126,23 @@ class DistributedOptimizer:
     def get_loss_scale(self) -> torch.Tensor:
         return torch.tensor(1.0)
 
-    def _counted(self, r: _ShardRange) -> bool:
-        return not getattr(r.param, "shared", False) and param_is_not_tensor_parallel_duplicate(
-            r.param, self.tp_rank
+    def _norm(self, tensors) -> float:
+        """L2 norm of one tensor per shard range. Collective over the dp and model-parallel groups
+        (and, for a MoE model, the expert dp and expert model-parallel ones)."""
+        params = [r.param for r in self.ranges]
+        dense, expert = split_for_norm(params, tensors, self.tp_rank, self.has_experts)
+        return get_grad_norm_fp32(
+            dense,
+            self.model_parallel_group,
+            data_parallel_group=self.dp_group,
+            expert_grads=expert,
+            expert_model_parallel_group=self.expert_model_parallel_group,
+            expert_data_parallel_group=self.expert_dp_group,
         )
 
     def get_params_norm(self) -> float:
         """L2 norm of the fp32 main parameters. Collective over the dp and model-parallel groups."""
-        mains = [r.main.detach() for r in self.ranges if self._counted(r)]
-        return get_grad_norm_fp32(mains, self.model_parallel_group, data_parallel_group=self.dp_group)
+        return self._norm([r.main.detach() for r in self.ranges])
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float, None]:
@@ -123,8 +150,7 @@ class DistributedOptimizer:
         model-parallel groups. A non-finite global gradient norm skips the update on every rank."""
         for r in self.ranges:
             r.main.grad = r.grad_view
-        grads = [r.grad_view for r in self.ranges if self._counted(r)]
-        grad_norm = get_grad_norm_fp32(grads, self.model_parallel_group, data_parallel_group=self.dp_group)
+        grad_norm = self._norm([r.grad_view for r in self.ranges])
         if not math.isfinite(grad_norm):
             return False, grad_norm, None
         if self.config.clip_grad > 0.0:
@@ -177,43 +203,44 @@ class DistributedOptimizer:
         return [buf for chunk in self.model_chunks for buf in chunk.buffers]
 
     def get_parameter_state_dp_zero(self) -> dict | None:
-        """Every rank's shards gathered on dp rank 0, bucket padding removed (upstream's legacy
-        form). Collective over the dp group; None on the other ranks."""
+        """Every rank's shards gathered, bucket padding removed (upstream's legacy form): a dense
+        bucket over the dp group, an expert bucket over the expert-dp group (each bucket's own). A
+        dense model gathers on dp rank 0 (None on the others); a MoE model's state is all-gathered,
+        since the rank that writes a (tp, pp, ep) shard need not be rank 0 of both groups. Collective
+        over the dp and expert-dp groups."""
+        everywhere = self.has_experts
         dp_rank = 0 if self.dp_group is None else dist.get_rank(self.dp_group)
-        dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         state: dict = {"buckets_coalesced": True}
         for index, buffer in enumerate(self._buffers()):
             numel_unpadded = sum(b.numel_unpadded for b in buffer.buckets)
             world = {k: torch.zeros(numel_unpadded) for k in ("param", *STATE_KEYS)}
             offset = 0
             for bucket in buffer.buckets:
-                shard_size = bucket.grad_data.numel() // dp_size
-                local = {k: torch.zeros(shard_size) for k in world}
-                for r in self.ranges:
-                    if r.bucket is bucket:
-                        n = r.end - r.start
-                        moments = self.optimizer.state.get(r.main, {})
-                        local["param"][r.local_start : r.local_start + n] = r.main.detach().cpu()
-                        for k in STATE_KEYS:
-                            if k in moments:
-                                local[k][r.local_start : r.local_start + n] = moments[k].cpu()
-                for k, tensor in local.items():
-                    gathered = [torch.zeros_like(tensor) for _ in range(dp_size)] if dp_rank == 0 else None
-                    if dp_size > 1:
-                        dist.gather(tensor, gathered, group=self.dp_group, group_dst=0)
-                    else:
-                        gathered = [tensor]
-                    if dp_rank == 0:
+                for k, tensor in self._bucket_shards(bucket).items():
+                    gathered = _gather(tensor, bucket, everywhere)
+                    if gathered is not None:
                         world[k][offset : offset + bucket.numel_unpadded] = torch.cat(gathered)[
                             : bucket.numel_unpadded
                         ]
                 offset += bucket.numel_unpadded
             world["numel_unpadded"] = numel_unpadded
             state[index] = {str(buffer.grad_data.dtype): world, "dtype": str(buffer.param_data.dtype)}
-        state["per_bucket_numel_unpadded"] = [
-            [b.numel_unpadded for b in buf.buckets] for buf in self._buffers()
-        ]
-        return state if dp_rank == 0 else None
+        state["per_bucket_numel_unpadded"] = self.per_bucket_numel_unpadded()
+        return state if everywhere or dp_rank == 0 else None
+
+    def _bucket_shards(self, bucket) -> dict:
+        """This rank's shard of ``bucket`` per key (``param``, the moments), zeros where no range is."""
+        shard_size = bucket.grad_data.numel() // bucket.dp_size
+        local = {k: torch.zeros(shard_size) for k in ("param", *STATE_KEYS)}
+        for r in self.ranges:
+            if r.bucket is bucket:
+                n = r.end - r.start
+                moments = self.optimizer.state.get(r.main, {})
+                local["param"][r.local_start : r.local_start + n] = r.main.detach().cpu()
+                for k in STATE_KEYS:
+                    if k in moments:
+                        local[k][r.local_start : r.local_start + n] = moments[k].cpu()
+        return local
 
     def per_bucket_numel_unpadded(self) -> list[list[int]]:
         return [[b.numel_unpadded for b in buf.buckets] for buf in self._buffers()]

@@ -35,15 +35,45 @@ def checkpoint_tensors_by_param(model_chunks, state_dict: dict) -> dict:
     return found
 
 
+def has_experts(model_chunks) -> bool:
+    """Whether the model is a mixture of experts (its config says; a rank may hold no expert)."""
+    return any(getattr(getattr(chunk, "config", None), "num_moe_experts", None) for chunk in model_chunks)
+
+
+def split_for_norm(params, tensors, tp_rank: int, moe: bool):
+    """``(dense, expert)``: ``tensors`` (one per parameter) for a global norm, without tensor-parallel
+    duplicates or the tied output layer's copy; routed experts' apart (None without MoE)."""
+    counted = [
+        (p, t)
+        for p, t in zip(params, tensors, strict=True)
+        if not getattr(p, "shared", False) and param_is_not_tensor_parallel_duplicate(p, tp_rank)
+    ]
+    if not moe:
+        return [t for _, t in counted], None
+    dense = [t for p, t in counted if getattr(p, "allreduce", True)]
+    return dense, [t for p, t in counted if not getattr(p, "allreduce", True)]
+
+
 class MegatronOptimizer:
     def __init__(
-        self, config: OptimizerConfig, model_chunks, *, model_parallel_group=None, tp_group=None, foreach=None
+        self,
+        config: OptimizerConfig,
+        model_chunks,
+        *,
+        model_parallel_group=None,
+        tp_group=None,
+        foreach=None,
+        expert_model_parallel_group=None,
     ):
         """``foreach``: AdamW's implementation, None for PyTorch's choice (the per-tensor loop on the
-        CPU, foreach on CUDA); the preflight's dry run of a GPU job sets True, as CUDA would."""
+        CPU, foreach on CUDA); the preflight's dry run of a GPU job sets True, as CUDA would.
+        ``expert_model_parallel_group``: the ranks holding different experts (expert TP x EP x PP),
+        over which a MoE model's expert gradient norms add up."""
         self.config = config
         self.model_chunks = model_chunks
         self.model_parallel_group = model_parallel_group
+        self.expert_model_parallel_group = expert_model_parallel_group
+        self.has_experts = has_experts(model_chunks)
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         self.params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
         # fp32 parameters are their own masters; low-precision ones get fp32 copies.
@@ -73,22 +103,21 @@ class MegatronOptimizer:
     def get_loss_scale(self) -> torch.Tensor:
         return torch.tensor(1.0)
 
-    def _grads_for_norm(self) -> list[torch.Tensor]:
-        return [
-            m.grad
-            for p, m in zip(self.params, self.masters)
-            if not getattr(p, "shared", False) and param_is_not_tensor_parallel_duplicate(p, self.tp_rank)
-        ]
+    def _norm(self, tensors) -> float:
+        """L2 norm of one tensor per parameter (each logical parameter once). Collective over the
+        model-parallel group (and the expert one, for a MoE model)."""
+        dense, expert = split_for_norm(self.params, tensors, self.tp_rank, self.has_experts)
+        return get_grad_norm_fp32(
+            dense,
+            self.model_parallel_group,
+            expert_grads=expert,
+            expert_model_parallel_group=self.expert_model_parallel_group,
+        )
 
     def get_params_norm(self) -> float:
         """L2 norm of the fp32 master weights over all model-parallel ranks. Collective over the
         model-parallel group."""
-        params = [
-            m.detach()
-            for p, m in zip(self.params, self.masters)
-            if not getattr(p, "shared", False) and param_is_not_tensor_parallel_duplicate(p, self.tp_rank)
-        ]
-        return get_grad_norm_fp32(params, self.model_parallel_group)
+        return self._norm([m.detach() for m in self.masters])
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float, None]:
@@ -99,7 +128,7 @@ class MegatronOptimizer:
         """
         for p, m in zip(self.params, self.masters):
             m.grad = p.main_grad if m is p else p.main_grad.clone()
-        grad_norm = get_grad_norm_fp32(self._grads_for_norm(), self.model_parallel_group)
+        grad_norm = self._norm([m.grad for m in self.masters])
         if not math.isfinite(grad_norm):
             return False, grad_norm, None
         if self.config.clip_grad > 0.0:

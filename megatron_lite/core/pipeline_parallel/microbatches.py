@@ -14,6 +14,7 @@ from torch.autograd import Variable
 from megatron_lite.core import parallel_state
 from megatron_lite.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
+from megatron_lite.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron_lite.core.utils import get_attr_wrapped_model
 
 
@@ -131,11 +132,20 @@ def forward_step(
                 data_iterator, model, checkpoint_activations_microbatch
             )
 
+    if cp_group_size is None:
+        initialized = parallel_state.model_parallel_is_initialized()
+        cp_group_size = parallel_state.get_context_parallel_world_size() if initialized else 1
+    if getattr(config, "num_moe_experts", None):
+        # The routers' auxiliary losses reach backward through MoEAuxLossAutoScaler, scaled as the
+        # main loss is (on every stage: the MoE layers may be anywhere). Each context-parallel rank's
+        # loss is its part of the sequence's, and gradients are averaged over those ranks: x cp.
+        scale = torch.ones(1)
+        if getattr(config, "grad_scale_func", None) is not None:
+            scale = config.grad_scale_func(scale)
+        MoEAuxLossAutoScaler.set_loss_scale(scale * cp_group_size / num_microbatches)
+
     num_tokens = torch.tensor(0, dtype=torch.int)
     if is_last_stage:
-        if cp_group_size is None:
-            initialized = parallel_state.model_parallel_is_initialized()
-            cp_group_size = parallel_state.get_context_parallel_world_size() if initialized else 1
         if loss_func is None:
             forward_data_store.append(output_tensor)
         elif collect_non_loss_data:

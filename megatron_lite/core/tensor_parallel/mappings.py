@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_lite.core.utils import (
     collective_backend,
@@ -44,14 +45,15 @@ def _gather(x: torch.Tensor, group, dim: int, split_sizes: list[int] | None = No
     x = x.contiguous()
     if split_sizes is None:
         parts = [torch.empty_like(x) for _ in range(size)]
-    else:
-        shape = list(x.shape)
-        parts = []
-        for n in split_sizes:
-            shape[dim] = n
-            parts.append(x.new_empty(shape))
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=dim)
+    # Uneven parts: each padded to the largest (gloo gathers equal sizes only), then trimmed.
+    longest = max(split_sizes)
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, longest - x.size(dim)]
+    padded = F.pad(x, pad) if longest > x.size(dim) else x
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, split_sizes, strict=True)], dim=dim)
 
 
 # PyTorch's newer name for it (reduce_scatter_tensor warns that it is deprecated).
@@ -287,3 +289,40 @@ def all_gather_last_dim_from_tensor_parallel_region(input_: torch.Tensor, group=
 
 def reduce_scatter_last_dim_to_tensor_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     return _ReduceScatterToTensorParallelRegion.apply(input_, get_tensor_model_parallel_group_if_none(group))
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rank r sends ``input_split_sizes[j]`` rows to rank j and receives ``output_split_sizes[j]``
+    from it; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = (
+            group,
+            output_split_sizes,
+            input_split_sizes,
+        )
+        if get_pg_size(group) == 1:
+            return input_
+        input_ = input_.contiguous()
+        rows = input_.size(0) if output_split_sizes is None else sum(output_split_sizes)
+        output = input_.new_empty((rows, *input_.shape[1:]))
+        dist.all_to_all_single(
+            output,
+            input_,
+            output_split_sizes=output_split_sizes,
+            input_split_sizes=input_split_sizes,
+            group=group,
+        )
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = _AllToAll.apply(ctx.group, grad_output, ctx.input_split_sizes, ctx.output_split_sizes)
+        return None, grad, None, None
+
+
+def all_to_all(group, input_: torch.Tensor, output_split_sizes=None, input_split_sizes=None) -> torch.Tensor:
+    """Exchange rows of ``input_`` between the ranks of ``group`` (upstream's all_to_all): collective
+    over ``group`` in forward and backward. Split sizes are lists of row counts, None for equal ones."""
+    return _AllToAll.apply(group, input_, output_split_sizes, input_split_sizes)

@@ -15,14 +15,24 @@ class MLP(nn.Module):
     its slice of the value (upstream's per-rank layout; stride 2 cuts the full [gate; value] master
     that way), so the split into the two halves is local."""
 
-    def __init__(self, config: TransformerConfig, *, init_method, output_layer_init_method, tp_group=None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        init_method,
+        output_layer_init_method,
+        tp_group=None,
+        ffn_hidden_size=None,
+    ):
+        """``ffn_hidden_size``: None means the config's (a shared expert passes its own)."""
         super().__init__()
         self.config = config
         self.activation_func = config.activation_func
         gated = config.gated_linear_unit
+        ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
-            config.ffn_hidden_size * (2 if gated else 1),
+            ffn_hidden_size * (2 if gated else 1),
             config=config,
             init_method=init_method,
             bias=config.add_bias_linear,
@@ -30,7 +40,7 @@ class MLP(nn.Module):
             tp_group=tp_group,
         )
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size,
+            ffn_hidden_size,
             config.hidden_size,
             config=config,
             init_method=output_layer_init_method,

@@ -35,6 +35,7 @@ class TransformerBlock(nn.Module):
         seed: int = 1234,
         tp_group=None,
         cp_group=None,
+        pg_collection=None,
     ):
         super().__init__()
         self.config = config
@@ -52,6 +53,8 @@ class TransformerBlock(nn.Module):
                         output_layer_init_method=scaled,
                         tp_group=tp_group,
                         cp_group=cp_group,
+                        pg_collection=pg_collection,
+                        seed=seed,
                     )
                 )
         self.layers = nn.ModuleList(layers)

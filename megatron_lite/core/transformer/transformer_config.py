@@ -98,6 +98,42 @@ class TransformerConfig(ModelParallelConfig):
     """Modules recomputed by selective recomputation: ``core_attn`` and/or ``mlp``; None means core_attn."""
     distribute_saved_activations: bool = False
     """Keep each recomputed chunk's input split over the tensor-parallel ranks (full recompute only)."""
+    # Mixture of experts (upstream's fields; see core/transformer/moe/).
+    num_moe_experts: int | None = None
+    """Experts per MoE layer; None means a dense model."""
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE: every n-th (n an int, layer 0 first) or a 0/1 flag per layer."""
+    moe_ffn_hidden_size: int | None = None
+    """Each routed expert's MLP hidden size; None means ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Hidden size of the shared expert (all shared experts as one MLP); None means none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . gate_weight) (Qwen2-MoE)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """``aux_loss`` (Switch Transformer's, over each micro-batch) or ``none``."""
+    moe_aux_loss_coeff: float = 0.0
+    """Scale of the load-balancing loss; 0 turns it off."""
+    moe_z_loss_coeff: float | None = None
+    """Scale of the router z-loss (ST-MoE); None turns it off."""
+    moe_router_score_function: str = "softmax"
+    """Router scores: ``softmax`` or ``sigmoid``."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (else over the top-k logits only)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiply the top-k routing probabilities by this; None means 1."""
+    moe_token_dispatcher_type: str = "allgather"
+    """How tokens reach their experts: ``allgather`` or ``alltoall`` over the expert-parallel group."""
+    moe_grouped_gemm: bool = False
+    """All local experts in one grouped GEMM (``experts.linear_fc1.weight<i>``); else one MLP per
+    expert (``experts.local_experts.<i>``)."""
+    moe_expert_capacity_factor: float | None = None
+    """Tokens an expert takes at most, as a multiple of its balanced share; None means no dropping."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (needs a capacity factor)."""
+    moe_token_drop_policy: str = "probs"
+    """Over capacity, keep the tokens with the highest ``probs`` or the earliest ``position``."""
     init_method: Callable | None = _DefaultInit(scaled=False)
     """Initialiser of the weights feeding no residual; None means normal(0, init_method_std)."""
     output_layer_init_method: Callable | None = _DefaultInit(scaled=True)
@@ -111,6 +147,8 @@ class TransformerConfig(ModelParallelConfig):
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.recompute_modules is None:
             self.recompute_modules = ["core_attn"]
+        if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if isinstance(self.pipeline_model_parallel_layout, (str, list)):
             # As upstream: parsed here, the virtual pipeline size taken from it, the split checked.
             layout = PipelineParallelLayerLayout(

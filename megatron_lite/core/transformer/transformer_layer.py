@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core import parallel_state
+from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
 from megatron_lite.core.transformer.attention import SelfAttention
 from megatron_lite.core.transformer.mlp import MLP
+from megatron_lite.core.transformer.moe.moe_layer import MoELayer, is_moe_layer
 from megatron_lite.core.transformer.pipeline_layer_split import chunk_layer_offset
 from megatron_lite.core.transformer.torch_norm import WrappedTorchNorm
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
@@ -41,12 +43,14 @@ class TransformerLayer(nn.Module):
         output_layer_init_method,
         tp_group=None,
         cp_group=None,
+        pg_collection: ProcessGroupCollection | None = None,
+        seed: int = 1234,
     ):
+        """``pg_collection`` and ``seed`` are for a MoE layer: its expert groups, and the key its
+        experts' weights are drawn from (each expert by its global index)."""
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = config.sequence_parallel
-        self.recompute_mlp = config.recompute_granularity == "selective" and "mlp" in config.recompute_modules
         self.sequence_parallel = config.sequence_parallel
         self.recompute_mlp = config.recompute_granularity == "selective" and "mlp" in config.recompute_modules
         self.input_layernorm = WrappedTorchNorm(config, config.hidden_size)
@@ -58,12 +62,22 @@ class TransformerLayer(nn.Module):
             cp_group=cp_group,
         )
         self.pre_mlp_layernorm = WrappedTorchNorm(config, config.hidden_size)
-        self.mlp = MLP(
-            config,
-            init_method=init_method,
-            output_layer_init_method=output_layer_init_method,
-            tp_group=tp_group,
-        )
+        if is_moe_layer(config, layer_number):
+            self.mlp = MoELayer(
+                config,
+                layer_number=layer_number,
+                pg_collection=pg_collection or ProcessGroupCollection(tp=tp_group, cp=cp_group),
+                seed=seed,
+                init_method=init_method,
+                output_layer_init_method=output_layer_init_method,
+            )
+        else:
+            self.mlp = MLP(
+                config,
+                init_method=init_method,
+                output_layer_init_method=output_layer_init_method,
+                tp_group=tp_group,
+            )
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0

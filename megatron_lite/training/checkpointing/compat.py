@@ -29,6 +29,11 @@ _ARCHITECTURE = (
     ("add_bias_linear", "--disable-bias-linear", True),
     ("add_qkv_bias", "--add-qkv-bias", False),
     ("share_embeddings_and_output_weights", "--untie-embeddings-and-output-weights", True),
+    ("num_moe_experts", "--num-experts", None),
+    ("moe_layer_freq", "--moe-layer-freq", 1),
+    ("moe_ffn_hidden_size", "--moe-ffn-hidden-size", None),
+    ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size", None),
+    ("moe_shared_expert_gate", "--moe-shared-expert-gate", False),
     ("padded_vocab_size", "--vocab-size / --make-vocab-size-divisible-by", None),
 )
 

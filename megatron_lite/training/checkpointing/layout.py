@@ -1,5 +1,6 @@
 """Where a checkpoint's files live and what layout they were written for: upstream's names
-(``iter_0000010/mp_rank_XX[_YYY]/model_optim_rng.pt``, ``latest_checkpointed_iteration.txt``) and the
+(``iter_0000010/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt``: tensor rank, pipeline rank with pipeline
+parallelism, expert-parallel rank with expert parallelism; ``latest_checkpointed_iteration.txt``) and the
 ``metadata.json`` that records the parallel layout."""
 
 from __future__ import annotations
@@ -17,14 +18,26 @@ COMMON = "common.pt"  # a torch_dist checkpoint's plain state, beside DCP's file
 CHECKPOINT_VERSION = 3.0
 
 
-def shard_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def shard_name(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    """Upstream's ``get_checkpoint_name``: ``_{ep:03d}`` is appended with expert parallelism."""
+    name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep_size == 1 else f"{name}_{ep_rank:03d}"
 
 
-def get_checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+def get_checkpoint_name(
+    root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1
+) -> str:
     return os.path.join(
-        root, f"iter_{iteration:07d}", shard_name(tp_rank, pp_rank, pp_size), "model_optim_rng.pt"
+        root,
+        f"iter_{iteration:07d}",
+        shard_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size),
+        "model_optim_rng.pt",
     )
+
+
+def my_checkpoint_name(root: str, iteration: int) -> str:
+    """This rank's ``model_optim_rng.pt`` in iteration ``iteration`` of ``root``."""
+    return os.path.join(root, f"iter_{iteration:07d}", my_shard_name(), "model_optim_rng.pt")
 
 
 def model_keys(chunks: int) -> list[str]:
@@ -41,7 +54,19 @@ def my_shard_name() -> str:
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_rank(),
+        parallel_state.get_expert_model_parallel_world_size(),
     )
+
+
+def expert_layout() -> dict[str, int]:
+    """The expert-parallel sizes, recorded only where they differ from a dense run's (ep 1, expert TP
+    the dense TP): a dense checkpoint's record stays as it was."""
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    if ep == 1 and etp == parallel_state.get_tensor_model_parallel_world_size():
+        return {}
+    return {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
 
 
 def parallel_layout() -> dict[str, int]:
@@ -49,7 +74,13 @@ def parallel_layout() -> dict[str, int]:
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        **expert_layout(),
     }
+
+
+def _expert_sizes(layout: dict) -> tuple:
+    tp = layout.get("tensor_model_parallel_size")
+    return layout.get("expert_model_parallel_size", 1), layout.get("expert_tensor_parallel_size", tp)
 
 
 def read_tracker(root: str, flag: str = "--load") -> int | None:
@@ -76,6 +107,14 @@ def read_tracker(root: str, flag: str = "--load") -> int | None:
 
 
 def layout_error(root: str, saved: dict, current: dict) -> str:
+    dense = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    if all(saved.get(k) == current[k] for k in dense) and expert_layout_differs(saved, current):
+        (ep, etp), (ep_now, etp_now) = _expert_sizes(saved), _expert_sizes(current)
+        return (
+            f"--load {root}: saved with expert-parallel size {ep}, expert tensor-parallel size {etp} but this "
+            f"run uses {ep_now}, {etp_now}; a --ckpt-format torch checkpoint loads at its saved expert layout "
+            "only (save with --ckpt-format torch_dist to change it)"
+        )
     return (
         f"--load {root}: saved with tp={saved.get('tensor_model_parallel_size')}, "
         f"pp={saved.get('pipeline_model_parallel_size')} but this run uses "
@@ -85,9 +124,17 @@ def layout_error(root: str, saved: dict, current: dict) -> str:
 
 
 def layout_differs(saved: dict, current: dict) -> bool:
-    return any(
+    return expert_layout_differs(saved, current) or any(
         saved.get(k) != current[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
     )
+
+
+def expert_layout_differs(saved: dict, current: dict) -> bool:
+    """Whether the expert-parallel or expert tensor-parallel size changed: the legacy format's files hold
+    each expert-parallel rank's experts by local index, which ``reshard`` does not remap. A layout that
+    records no expert sizes has ep 1 and the expert TP of its own TP."""
+    recorded = "expert_model_parallel_size" in saved or "expert_model_parallel_size" in current
+    return recorded and _expert_sizes(saved) != _expert_sizes(current)
 
 
 def read_metadata(root: str, iteration: int, flag: str = "--load") -> dict:
@@ -129,12 +176,4 @@ def check_layout(root: str, iteration: int) -> None:
 
 
 def my_optimizer_shard(root: str, iteration: int) -> str:
-    return get_distributed_optimizer_checkpoint_name(
-        get_checkpoint_name(
-            root,
-            iteration,
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_pipeline_model_parallel_rank(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-        )
-    )
+    return get_distributed_optimizer_checkpoint_name(my_checkpoint_name(root, iteration))

@@ -7,7 +7,6 @@ import os
 
 import torch.distributed as dist
 
-from megatron_lite.core import parallel_state
 from megatron_lite.training.checkpointing.agreement import agree
 from megatron_lite.training.checkpointing.compat import (
     checkpoint_model_error,
@@ -21,12 +20,13 @@ from megatron_lite.training.checkpointing.distrib_optim import (
 )
 from megatron_lite.training.checkpointing.layout import (
     check_layout,
-    get_checkpoint_name,
+    expert_layout_differs,
     is_distributed_checkpoint,
     layout_differs,
     layout_error,
     model_chunks,
     model_keys,
+    my_checkpoint_name,
     my_optimizer_shard,
     parallel_layout,
     read_metadata,
@@ -59,13 +59,7 @@ def load_model_state(model, payload: dict) -> None:
 
 
 def _load_shard(root: str, iteration: int) -> dict:
-    path = get_checkpoint_name(
-        root,
-        iteration,
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_world_size(),
-    )
+    path = my_checkpoint_name(root, iteration)
     shard = os.path.relpath(path, root)
     if not os.path.exists(path):
         raise CheckpointError(
@@ -83,7 +77,10 @@ def _read_weights(root: str, iteration: int, finetune: bool, model, model_cfg):
     """``(payload, error, note)``: this rank's payload, the first difference that refuses it, and the
     line announcing a reshard (None when the checkpoint's layout is this run's). A full resume reads
     its own shard of the saved layout only; a weights-only load takes the weights of any layout."""
-    if finetune and layout_differs(read_metadata(root, iteration), parallel_layout()):
+    saved_layout = read_metadata(root, iteration)
+    if finetune and layout_differs(saved_layout, parallel_layout()):
+        if expert_layout_differs(saved_layout, parallel_layout()) or _is_moe(root, iteration):
+            return None, _moe_reshard_error(root, saved_layout), None
         saved_config = read_saved_config(root, iteration)
     else:
         check_layout(root, iteration)
@@ -101,6 +98,25 @@ def _read_weights(root: str, iteration: int, finetune: bool, model, model_cfg):
         f"to {describe_layout(model_cfg.tensor_model_parallel_size, model_cfg)}"
     )
     return resharded_state(root, iteration, saved_config, model, model_cfg), None, note
+
+
+def _is_moe(root: str, iteration: int) -> bool:
+    return bool(read_saved_config(root, iteration).get("model", {}).get("num_moe_experts"))
+
+
+def _moe_reshard_error(root: str, saved: dict) -> str:
+    """A legacy MoE checkpoint at another layout: its files hold experts by local index per
+    expert-parallel rank, which ``reshard`` does not remap."""
+    if expert_layout_differs(saved, parallel_layout()):
+        return layout_error(root, saved, parallel_layout())
+    return (
+        f"--load {root}: a mixture-of-experts checkpoint in --ckpt-format torch loads at its saved layout "
+        f"only ({_describe_saved(saved)}); save with --ckpt-format torch_dist to change it"
+    )
+
+
+def _describe_saved(saved: dict) -> str:
+    return f"tp={saved.get('tensor_model_parallel_size')}, pp={saved.get('pipeline_model_parallel_size')}"
 
 
 def _chosen_iteration(root: str, step: int) -> int:

@@ -75,10 +75,37 @@ def shard_payload(model, iteration: int, config: dict, **state) -> dict:
     }
 
 
+def _expert_layout_error() -> str | None:
+    """The legacy files are named by tensor rank: an expert tensor-parallel size other than 1 or the
+    dense one would put different expert slices under one name."""
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    if etp in (1, parallel_state.get_tensor_model_parallel_world_size()):
+        return None
+    return (
+        f"--expert-tensor-parallel-size {etp}: --ckpt-format torch names its files by tensor rank and needs "
+        "an expert tensor-parallel size of 1 or --tensor-model-parallel-size; use --ckpt-format torch_dist"
+    )
+
+
+def is_shard_writer(model_cfg) -> bool:
+    """Whether this rank writes its (tp, pp[, ep]) shard: dp rank 0 for a dense model; for a MoE model
+    the lowest rank holding that shard (upstream writes from dp rank 0 or expert-dp rank 0, which
+    together cover every shard; one writer each keeps two from racing). Collective for a MoE model."""
+    if not model_cfg.num_moe_experts:
+        return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, my_shard_name())
+    return names.index(my_shard_name()) == dist.get_rank()
+
+
 def _write_shards(state, model, optimizer, scheduler, tmp_root: str) -> None:
+    error = _expert_layout_error()
+    if error:
+        raise ValueError(error)
+    writer = is_shard_writer(state.cfg.model)
     # Every dp rank sends its optimizer shards to dp rank 0 (a collective), whatever any write does.
     param_state = optimizer.get_parameter_state_dp_zero() if uses_distributed_optimizer(optimizer) else None
-    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
+    if writer:
         payload = shard_payload(
             model,
             state.train_state.step,

@@ -13,7 +13,7 @@ from megatron_lite.core.models.gpt.sharded_state_dict import chunk_slabs
 from megatron_lite.core.optimizer.sharded_state import FP32_PARAM, optimizer_pieces
 from megatron_lite.core.transformer.pipeline_layer_split import chunk_layer_offset
 from megatron_lite.training.checkpointing.distrib_optim import uses_distributed_optimizer
-from megatron_lite.training.checkpointing.layout import model_chunks
+from megatron_lite.training.checkpointing.layout import expert_layout, model_chunks
 
 
 def layout_record(model_cfg) -> dict:
@@ -25,11 +25,31 @@ def layout_record(model_cfg) -> dict:
         "context_parallel_size": parallel_state.get_context_parallel_world_size(),
         "virtual_pipeline_model_parallel_size": model_cfg.virtual_pipeline_model_parallel_size or 1,
         "world_size": dist.get_world_size(),
+        **expert_layout(),
     }
 
 
+def stacked_layers(model_cfg) -> bool:
+    """Upstream stacks the layers on one axis unless they differ (``moe_layer_freq`` mixing dense and
+    MoE layers: TransformerBlock's ``non_homogeneous_layers``)."""
+    freq = getattr(model_cfg, "moe_layer_freq", 1)
+    return not (model_cfg.num_moe_experts and (isinstance(freq, list) or freq > 1))
+
+
+def _experts(model_cfg) -> tuple[int, int, int, int]:
+    """(this rank's first global expert, number of experts, expert-TP rank, expert-TP size)."""
+    count = model_cfg.num_moe_experts or 1
+    local = count // parallel_state.get_expert_model_parallel_world_size()
+    return (
+        parallel_state.get_expert_model_parallel_rank() * local,
+        count,
+        parallel_state.get_expert_tensor_parallel_rank(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+    )
+
+
 def _placement(model, model_cfg) -> dict:
-    """``{parameter: (slabs, replicated_over_tp, read_only)}`` over this rank's model chunks."""
+    """``{parameter: (slabs, replicated, read_only, routed_expert)}`` over this rank's model chunks."""
     tp_rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), model_cfg.tensor_model_parallel_size
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     found = {}
@@ -43,16 +63,23 @@ def _placement(model, model_cfg) -> dict:
                 tp_size=tp_size,
                 gated=bool(model_cfg.gated_linear_unit),
                 tied=bool(model_cfg.share_embeddings_and_output_weights),
+                stacked=stacked_layers(model_cfg),
+                experts=_experts(model_cfg),
             )
         )
     return found
 
 
-def _replica(replicated: bool, read_only: bool, owner: bool) -> int:
+def _replica(replicated: bool, read_only: bool, owner: bool, expert: bool = False) -> int:
     """0 for the one rank that writes a piece: ``owner`` (this rank holds it for its data-parallel
-    group), TP rank 0 of a tensor every TP rank holds, never a tied copy."""
-    first_tp = parallel_state.get_tensor_model_parallel_rank() == 0
-    return 0 if owner and not read_only and (first_tp or not replicated) else 1
+    group: for a routed expert, its expert-data-parallel group), TP rank 0 (expert-TP rank 0) of a
+    tensor every TP (expert-TP) rank holds, never a tied copy."""
+    tp_rank = (
+        parallel_state.get_expert_tensor_parallel_rank()
+        if expert
+        else parallel_state.get_tensor_model_parallel_rank()
+    )
+    return 0 if owner and not read_only and (tp_rank == 0 or not replicated) else 1
 
 
 def sharded_pieces(
@@ -71,13 +98,17 @@ def sharded_pieces(
     an fp32 model of a checkpoint with fp32 main parameters beside lower-precision weights)."""
     placement = _placement(model, model_cfg)
     dp_first = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    edp_first = parallel_state.get_expert_data_parallel_rank() == 0
     pieces = []
-    for param, (slabs, replicated, read_only) in placement.items():
-        replica = _replica(replicated, read_only, dp_first)
+    for param, (slabs, replicated, read_only, expert) in placement.items():
+        replica = _replica(replicated, read_only, edp_first if expert else dp_first, expert)
         prefix = fp32_weights_from if param.dtype == torch.float32 else ""
         pieces += flat_range_pieces(slabs, param.shape, param.detach().view(-1), 0, replica, prefix)
     if with_optimizer:
-        owner = dp_first or uses_distributed_optimizer(optimizer)
-        optim = {p: (slabs, _replica(rep, ro, owner)) for p, (slabs, rep, ro) in placement.items()}
+        sharded = uses_distributed_optimizer(optimizer)
+        optim = {
+            p: (slabs, _replica(rep, ro, sharded or (edp_first if ex else dp_first), ex))
+            for p, (slabs, rep, ro, ex) in placement.items()
+        }
         pieces += optimizer_pieces(optimizer, optim, fp32_from=fp32_from, moments=moments)
     return pieces

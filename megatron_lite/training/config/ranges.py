@@ -100,6 +100,23 @@ RANGES: dict[str, Range] = {
         ONE_OR_MORE,
     ),
     "--wgrad-deferral-limit": ZERO_OR_MORE,  # 0: defer every microbatch's output-layer wgrad
+    # Mixture of experts
+    "--num-experts": ZERO_OR_MORE,  # 0: a dense model (upstream maps it to None)
+    **dict.fromkeys(
+        (
+            "--moe-ffn-hidden-size",
+            "--moe-shared-expert-intermediate-size",
+            "--moe-router-topk",
+            "--expert-model-parallel-size",
+            "--expert-tensor-parallel-size",
+        ),
+        ONE_OR_MORE,
+    ),
+    "--moe-aux-loss-coeff": NON_NEGATIVE,  # 0: no load-balancing loss (the default)
+    "--moe-z-loss-coeff": NON_NEGATIVE,  # 0: no z-loss
+    "--moe-router-topk-scaling-factor": POSITIVE,
+    # Negative: no capacity limit (upstream's None); 0 is refused by validate/moe.py (every token dropped).
+    "--moe-expert-capacity-factor": Range(integer=False),
     # Training
     **dict.fromkeys(
         (

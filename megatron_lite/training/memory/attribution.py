@@ -74,8 +74,9 @@ def other_memory_stats(stats: dict[str, int]) -> dict[str, int]:
     """``other_bytes.*`` from a statistics dict that already holds the totals and the parts.
 
     Current: the total now minus weights, gradients, optimizer state and the activations alive now.
-    Peak: the peak total minus the same static parts and the activations' peak (the activation peak is
-    where the total peaks in training). Empty until the model and the optimizer are tracked, and when
+    Peak: the rest at the instant of the allocated peak: on the CPU the tracker's own make-up of that
+    instant (its static and saved bytes then); on CUDA the peak total minus the static parts and the
+    activations' peak (the activation peak is where the total peaks in training), at least 0. Empty until the model and the optimizer are tracked, and when
     the activations were not (the rest would silently include them).
     """
     parts = ("weights_bytes.current", "grads_bytes.current", "optimizer_state_bytes.current")
@@ -89,12 +90,16 @@ def other_memory_stats(stats: dict[str, int]) -> dict[str, int]:
     if total not in stats:
         return {}
     static = sum(stats[k] for k in parts)
-    other = {
-        "other_bytes.current": stats[total] - static - stats["activation_bytes.current"],
-        "other_bytes.peak": stats[peak] - static - stats["activation_bytes.peak"],
-    }
-    if "allocated_bytes.all.peak" in stats and "temporaries_bytes.peak" not in stats:
-        # CUDA: the allocator's peak says nothing of its instant; with the saved-activation peak taken
-        # out this is the least the temporaries at the peak can be.
-        other["temporaries_bytes.peak"] = max(0, other["other_bytes.peak"])
+    other = {"other_bytes.current": stats[total] - static - stats["activation_bytes.current"]}
+    if "temporaries_bytes.peak" in stats:
+        # CPU: the allocated-bytes tracker took the peak's make-up at its instant. The static parts
+        # now are not those of the peak's instant: in the first step the optimizer state is made
+        # after the activation peak, so "peak - static now - activation peak" went negative there.
+        other["other_bytes.peak"] = stats["temporaries_bytes.peak"]
+        return other
+    # CUDA: the allocator's peak says nothing of its instant; the rest there is at least this (and
+    # never negative: a first step's optimizer state did not exist yet at the activation peak).
+    other["other_bytes.peak"] = max(0, stats[peak] - static - stats["activation_bytes.peak"])
+    if "allocated_bytes.all.peak" in stats:
+        other["temporaries_bytes.peak"] = other["other_bytes.peak"]
     return other

@@ -117,8 +117,41 @@ def gather_memory_across_pp_group(memory_report: dict, pp_group) -> tuple[dict, 
     return peak, stages
 
 
+# Per expert-parallel rank, the values that differ by routing (the bench reads them per stage).
+EP_SLOT_NAMES = ("mem-max-allocated-gigabytes", "mem-max-activation-gigabytes")
+
+
+def reduce_max_memory_across_ep_group(memory_report: dict, ep_group) -> dict:
+    """Per-key maximum of ``memory_report`` over the expert-parallel ranks of this stage (which differ
+    by the tokens routed to their experts), plus each EP rank's own ``ep-rank-<r>/<name>`` for the
+    names in EP_SLOT_NAMES. Collective over ``ep_group`` (one all-gather) on every rank, before the
+    pipeline reduction; the report unchanged without a group of more than one rank."""
+    if (
+        not memory_report
+        or not torch.distributed.is_available()
+        or not torch.distributed.is_initialized()
+        or _group_size(ep_group) <= 1
+    ):
+        return memory_report
+    local = _pack(memory_report, get_collective_device(ep_group))
+    gathered = [torch.empty_like(local) for _ in range(_group_size(ep_group))]
+    torch.distributed.all_gather(gathered, local, group=ep_group)
+    peak = _unpack(memory_report, torch.stack(gathered).max(dim=0).values.tolist())
+    for rank, values in enumerate(gathered):
+        rank_report = _unpack(memory_report, values.tolist())
+        peak.update({f"ep-rank-{rank}/{n}": rank_report[n] for n in EP_SLOT_NAMES if n in rank_report})
+    return peak
+
+
 def memory_metrics(
-    lg, iteration: int, pp_group, *, per_stage: bool | None = None, report_fn=None, reduce_fn=None
+    lg,
+    iteration: int,
+    pp_group,
+    *,
+    per_stage: bool | None = None,
+    report_fn=None,
+    reduce_fn=None,
+    ep_group=None,
 ) -> dict[str, float] | None:
     """This step's ``memory/*`` metrics: every key's max over the pipeline stages, which stage holds the
     headline peak (``memory/peak-stage``) and the spread (``memory/pp-imbalance``), and with
@@ -129,13 +162,15 @@ def memory_metrics(
     ``per_stage`` overrides ``lg.log_memory_per_pp_stage`` (training_log's fallback logs the max only,
     as upstream's); ``report_fn`` and ``reduce_fn`` replace :func:`report_memory` and
     :func:`reduce_max_memory_across_pp_group` (training_log passes the names it looks up, so code
-    written against upstream can patch them on train_utils)."""
+    written against upstream can patch them on train_utils). ``ep_group`` (a MoE model's expert-parallel
+    group): each stage's report is first its worst EP rank's (:func:`reduce_max_memory_across_ep_group`,
+    one more collective, on every rank), with each EP rank's peaks beside it."""
     if not (lg.log_memory_to_tensorboard and iteration % lg.tensorboard_log_interval == 0):
         return None
     report_fn = report_fn or report_memory
     reduce_fn = reduce_fn or reduce_max_memory_across_pp_group
     per_stage = lg.log_memory_per_pp_stage if per_stage is None else per_stage
-    local_report = report_fn(lg.memory_keys)
+    local_report = reduce_max_memory_across_ep_group(report_fn(lg.memory_keys), ep_group)
     metrics: dict[str, float] = {}
     num_stages = max(_group_size(pp_group), 1)
     if per_stage:

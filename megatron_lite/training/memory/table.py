@@ -72,3 +72,9 @@ def print_memory_table(config: ConfigContainer, pg_collection) -> None:
     predictions = predict_memory_per_stage(config, 0 if dp_cp is None else dist.get_rank(dp_cp), device_type)
     rss = "mem-max-rss-gigabytes" if "mem-max-rss-gigabytes" in stages[0] else None
     print_rank_last(format_memory_table(stages, [p.peak_bytes for p in predictions], rss))
+    if any(p.activation_bytes_worst for p in predictions):  # MoE, routed rows not fixed by the config
+        parts = ", ".join(
+            f"stage {p.pp_rank} {p.activation_bytes / 2**20:.3g} / {p.activation_bytes_worst / 2**20:.3g}"
+            for p in predictions
+        )
+        print_rank_last(f" MoE predicted act (MiB, balanced routing / worst-routing bound): {parts}")

@@ -264,6 +264,7 @@ def training_log(
     loaded_iteration: int = 0,
     seq_length: int | None = None,
     memory_report: dict | None = None,
+    moe_report: tuple[dict, str] | None = None,
 ) -> bool:
     """Log one iteration to the console and every sink; returns the new ``report_memory_flag``.
 
@@ -272,7 +273,8 @@ def training_log(
     ranks (empty off the last pipeline stage). ``memory_report``: this step's ``memory/*`` metrics if
     the caller already reduced them over the pipeline (our loop does); None computes them here.
     ``pg_collection`` defaults to the model's. Returns False once memory was reported after the
-    second iteration since ``loaded_iteration`` (so it includes the optimizer state).
+    second iteration since ``loaded_iteration`` (so it includes the optimizer state). ``moe_report``:
+    this step's MoE scalars and console text (training/utils/moe_metrics.py), already reduced.
     """
     lg, train_config, timers, train_state = (
         config.logger,
@@ -324,6 +326,8 @@ def training_log(
             )
         if lg.log_memory_to_tensorboard and memory_report:
             writer.write(memory_report, iteration)
+        if moe_report:
+            writer.write(moe_report[0], iteration)
         if lg.log_runtime_to_tensorboard:
             start_time = getattr(global_state, "start_time", None) or time.time()
             writer.write(
@@ -394,7 +398,7 @@ def training_log(
             params_norm,
             log_max_attention_logit,
         )
-        print_rank_last(line)
+        print_rank_last(line + (moe_report[1] if moe_report else ""))
         if report_memory_flag:
             if torch.distributed.get_rank() == 0:
                 report_theoretical_memory(config, num_microbatches=get_num_microbatches(), verbose=True)

@@ -10,8 +10,6 @@ from megatron_lite.bridge.models.conversion.errors import BridgeError
 
 # Families megatron_lite does not build, and the config.json field that says why.
 UNSUPPORTED = {
-    "mixtral": "num_local_experts (mixture of experts)",
-    "qwen2_moe": "num_experts (mixture of experts)",
     "qwen3_moe": "num_experts (mixture of experts)",
     "deepseek_v3": "n_routed_experts (mixture of experts)",
     "qwen3": "q_norm / k_norm (QK layernorm)",

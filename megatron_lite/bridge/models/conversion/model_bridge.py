@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lite.bridge.models.conversion import experts
 from megatron_lite.bridge.models.conversion.errors import BridgeError
 from megatron_lite.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
 from megatron_lite.core import parallel_state
-from megatron_lite.core.models.gpt.state_dict_sharding import global_name, layer_index, merge_tp_shards
+from megatron_lite.core.models.gpt.state_dict_sharding import global_name, layer_index
 from megatron_lite.models.gpt_provider import GPTModelProvider
 
 _BRIDGES: dict[str, type[MegatronModelBridge]] = {}
@@ -25,13 +26,26 @@ def make_vocab_size_divisible_by(vocab_size: int) -> int:
 
 
 def _groups(chunk):
+    """(tp, pp, expert tp, ep): the expert groups fall back to (tp, none) where no MoE built them."""
     pg = getattr(chunk, "pg_collection", None)
     if pg is not None:
-        return pg.tp, pg.pp
-    return (
-        parallel_state.get_tensor_model_parallel_group(),
-        parallel_state.get_pipeline_model_parallel_group(),
-    )
+        groups = pg.tp, pg.pp, pg.expt_tp, pg.ep
+    else:
+        groups = (
+            parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_pipeline_model_parallel_group(),
+            parallel_state.get_expert_tensor_parallel_group(check_initialized=False),
+            parallel_state.get_expert_model_parallel_group(check_initialized=False),
+        )
+    tp, pp, expt_tp, ep = groups
+    return tp, pp, expt_tp if expt_tp is not None else tp, ep
+
+
+def _named_parameters(chunk):
+    """A chunk's parameters by their whole-model names: global layer numbers and expert indices."""
+    offset = _layer_offset(chunk)
+    for name, param in experts.named_parameters(chunk):
+        yield global_name(name, offset), param
 
 
 def _layer_offset(chunk) -> int:
@@ -104,7 +118,7 @@ class MegatronModelBridge:
         """Fill every parameter of this rank's chunks with its TP shard, read straight from the files.
         Not collective: each rank reads its own layers only."""
         registry = self.mapping_registry(config)
-        unknown = checkpoint.names() - registry.hf_names(config.num_layers)
+        unknown = checkpoint.names() - registry.hf_names(config)
         if config.share_embeddings_and_output_weights:
             unknown.discard("lm_head.weight")  # some tied models' files carry the tied copy too
         unknown = sorted(n for n in unknown if not n.endswith(self.ignored_hf_suffixes))
@@ -114,12 +128,12 @@ class MegatronModelBridge:
                 f"megatron_lite {self.model_type} model"
             )
         for chunk in model_chunks:
-            tp_group, _ = _groups(chunk)
-            tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
-            offset = _layer_offset(chunk)
+            tp_group, _, expt_tp_group, _ = _groups(chunk)
             with torch.no_grad():
-                for name, param in chunk.named_parameters():
-                    full_name = global_name(name, offset)
+                for full_name, param in _named_parameters(chunk):
+                    # A routed expert splits over the expert-TP ranks, everything else over TP.
+                    group = expt_tp_group if experts.is_expert_param(full_name) else tp_group
+                    tp_rank, tp_size = dist.get_rank(group), dist.get_world_size(group)
                     mapping = registry.megatron_to_hf_lookup(full_name)
                     if mapping is None:
                         raise BridgeError(f"no Hugging Face tensor maps to {full_name}")
@@ -147,19 +161,23 @@ class MegatronModelBridge:
         the embedding is the embedding's, exported once."""
         entries = []
         for chunk in model_chunks:
-            offset = _layer_offset(chunk)
-            for name, param in chunk.named_parameters():
+            for name, param in _named_parameters(chunk):
                 if name == "output_layer.weight" and config.share_embeddings_and_output_weights:
                     continue
-                entries.append((global_name(name, offset), param))
+                entries.append((name, param))
         return entries
 
     def stream_weights_megatron_to_hf(self, model_chunks: list, config, cpu: bool = True):
         """(Hugging Face name, whole tensor) for every weight, on every rank, in layer order. Collective
-        over each rank's TP and PP groups, tensor by tensor: no rank holds more than one at a time."""
+        over each rank's TP, expert-TP and PP groups, tensor by tensor: no rank holds more than one at
+        a time. Refused (BridgeError) at expert parallel size > 1."""
         registry = self.mapping_registry(config)
-        tp_group, pp_group = _groups(model_chunks[0])
-        tp_size = dist.get_world_size(tp_group)
+        tp_group, pp_group, expt_tp_group, ep_group = _groups(model_chunks[0])
+        if ep_group is not None and dist.get_world_size(ep_group) > 1:
+            raise BridgeError(
+                "export at expert_model_parallel_size > 1 is not supported: each rank holds some experts "
+                "only; export from a checkpoint loaded at expert parallel size 1"
+            )
         entries = dict(self._stage_entries(model_chunks, config))
         # NCCL moves device tensors only: the shapes and received tensors live where the weights do.
         device = next(model_chunks[0].parameters()).device
@@ -179,11 +197,10 @@ class MegatronModelBridge:
             stage, (shape, dtype) = owners[name]
             if name in entries and stage == dist.get_rank(pp_group):
                 local = entries[name].detach()
-                shards = [torch.empty_like(local) for _ in range(tp_size)]
-                dist.all_gather(shards, local.contiguous(), group=tp_group)
-                full = merge_tp_shards(
-                    name, shards, gated=config.gated_linear_unit, vocab_size=config.vocab_size
-                ).contiguous()
+                group = expt_tp_group if experts.is_expert_param(name) else tp_group
+                shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(shards, local.contiguous(), group=group)
+                full = experts.merge_shards(name, shards, config).contiguous()
                 meta = torch.tensor(full.shape, device=device)
             else:
                 full, meta = None, torch.zeros(len(shape), dtype=torch.long, device=device)
@@ -203,7 +220,8 @@ class MegatronModelBridge:
     def megatron_to_hf_config(self, hf: dict, config) -> dict:
         """config.json for ``config``: the source's, checked to describe the same model."""
         again = self.provider_bridge(hf)
-        for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "vocab_size"):
+        fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "vocab_size")
+        for field in (*fields, "num_moe_experts", "moe_layer_freq"):
             if getattr(again, field) != getattr(config, field):
                 raise BridgeError(
                     f"config.json describes {field}={getattr(again, field)} but the model has "

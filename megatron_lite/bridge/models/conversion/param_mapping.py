@@ -2,8 +2,10 @@
 
 A mapping reads, for one tensor-parallel rank, only the rows or columns of the Hugging Face tensors
 that rank holds (``hf_to_megatron``), and turns the whole megatron tensor back into Hugging Face
-tensors (``megatron_to_hf``). Names may hold ``*`` for the layer number; ``resolve`` fills it in.
-How a megatron tensor splits over TP ranks is state_dict_sharding's (megatron-core's) rule.
+tensors (``megatron_to_hf``). Names may hold ``*`` for the layer number and, after it, the global expert
+index (Megatron-Bridge's wildcards); ``resolve`` fills them in, in order.
+How a megatron tensor splits over TP ranks is state_dict_sharding's (megatron-core's) rule, and
+experts.py's for the mixture-of-experts parameters.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_lite.core.models.gpt.state_dict_sharding import VOCAB_PARALLEL, tp_split_dim
+from megatron_lite.bridge.models.conversion.experts import split_dim
+from megatron_lite.core.models.gpt.state_dict_sharding import VOCAB_PARALLEL
 
 # read(hf_name, dim, start, stop): that range of the tensor along dim (the whole tensor for dim None).
 Reader = Callable[[str, int | None, int, int | None], torch.Tensor]
@@ -25,11 +28,17 @@ class MegatronParamMapping:
         self.megatron_param = megatron_param
         self.hf_params = hf_params
 
-    def resolve(self, layer: str | None) -> MegatronParamMapping:
-        """This mapping with ``*`` replaced by ``layer`` (the Hugging Face layer number)."""
-        if layer is None:
+    def resolve(self, *indices: str) -> MegatronParamMapping:
+        """This mapping with its ``*``s replaced by ``indices`` in order (the layer number, then the
+        global expert index: Hugging Face's numbering)."""
+        if not indices:
             return self
-        fill = lambda name: name.replace("*", layer)  # noqa: E731
+
+        def fill(name: str) -> str:
+            for index in indices:
+                name = name.replace("*", index, 1)
+            return name
+
         resolved = type(self).__new__(type(self))
         resolved.__dict__ = dict(self.__dict__)
         resolved.megatron_param = fill(self.megatron_param)
@@ -59,7 +68,7 @@ class AutoMapping(MegatronParamMapping):
         self.transpose = transpose
 
     def hf_to_megatron(self, read, shape, tp_rank, tp_size, config):
-        name, dim = self.hf_params["hf"], tp_split_dim(self.megatron_param)
+        name, dim = self.hf_params["hf"], split_dim(self.megatron_param)
         hf_dim = None if dim is None else (1 - dim if self.transpose and len(shape) == 2 else dim)
         if self.megatron_param.endswith(VOCAB_PARALLEL):
             # Rows of the padded vocabulary: the part past the real vocabulary is zeros.
@@ -125,3 +134,19 @@ class GatedMLPMapping(MegatronParamMapping):
     def megatron_to_hf(self, full, config):
         gate, up = full.chunk(2, dim=0)
         return {self.hf_params["gate"]: gate.contiguous(), self.hf_params["up"]: up.contiguous()}
+
+
+def routed_expert_mappings(
+    layer: str, experts: str, gate: str, up: str, down: str
+) -> list[MegatronParamMapping]:
+    """A MoE layer's routed experts, grouped (``linear_fc1.weight<e>``, ``--moe-grouped-gemm``) and
+    sequential (``local_experts.<e>.``), from Hugging Face's per-expert projections
+    ``{experts}<e>.{gate|up|down}.weight``; ``<e>`` is the global expert index on both sides."""
+    hf = lambda name: f"{experts}*.{name}.weight"  # noqa: E731
+    prefix = layer + "mlp.experts."
+    return [
+        GatedMLPMapping(prefix + "linear_fc1.weight*", hf(gate), hf(up)),
+        AutoMapping(prefix + "linear_fc2.weight*", hf(down)),
+        GatedMLPMapping(prefix + "local_experts.*.linear_fc1.weight", hf(gate), hf(up)),
+        AutoMapping(prefix + "local_experts.*.linear_fc2.weight", hf(down)),
+    ]

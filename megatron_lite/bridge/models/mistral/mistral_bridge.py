@@ -20,19 +20,23 @@ MISTRAL_DEFAULTS = {
 }
 
 
+def refuse_sliding_window(cfg: HFConfig, window: int | None) -> None:
+    """A window shorter than the longest sequence the model takes changes the attention: refused."""
+    if window is not None and window < cfg["max_position_embeddings"]:
+        raise cfg.refuse(
+            "sliding_window",
+            "sliding-window attention is not supported; set it to null in config.json to train with "
+            "full causal attention",
+        )
+
+
 @MegatronModelBridge.register_bridge("mistral")
 class MistralBridge(MegatronModelBridge):
     """``MistralForCausalLM``."""
 
     def provider_kwargs(self, hf: dict) -> dict:
         cfg = HFConfig(hf, MISTRAL_DEFAULTS)
-        window = hf.get("sliding_window", MISTRAL_DEFAULTS["sliding_window"])
-        if window is not None and window < cfg["max_position_embeddings"]:
-            raise cfg.refuse(
-                "sliding_window",
-                "sliding-window attention is not supported; set it to null in config.json to train with "
-                "full causal attention",
-            )
+        refuse_sliding_window(cfg, hf.get("sliding_window", MISTRAL_DEFAULTS["sliding_window"]))
         return llama_like_kwargs(cfg)
 
     def mapping_registry(self, config) -> MegatronMappingRegistry:

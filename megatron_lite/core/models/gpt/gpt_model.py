@@ -87,6 +87,7 @@ class GPTModel(nn.Module):
             seed=seed,
             tp_group=self.tp_group,
             cp_group=cp_group,
+            pg_collection=pg_collection,
         )
         # --defer-embedding-wgrad-compute: the output layer's inputs and output gradients, kept from
         # each microbatch's forward and backward until the schedule drains their weight gradients.

@@ -7,6 +7,8 @@ The rules are megatron-core's (its ``sharded_state_dict`` factories):
 - a gated ``linear_fc1`` holds ``[gate; up]`` on every rank: rank r's rows are its slice of the gate
   followed by its slice of the up projection (megatron-core's ``apply_swiglu_sharded_factory``);
 - ``linear_proj`` / ``linear_fc2`` weights are row-parallel (split along dim 1), their biases whole;
+- a MoE layer's shared experts (``mlp.shared_experts.linear_fc1`` / ``linear_fc2``) split like the dense
+  MLP; its router and shared-expert gate are replicated (routed experts: ``expert_sharding``);
 - the word embedding and the output layer split the padded vocabulary along dim 0. The full tensor
   here is the unpadded one (``vocab_size`` rows): padding rows are zeros, added per layout;
 - everything else (norms, position embeddings, row-parallel biases) is replicated.
@@ -20,8 +22,13 @@ import torch
 
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 _COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
-_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
-_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_FC1 = (
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc1.bias",
+    "shared_experts.linear_fc1.weight",
+    "shared_experts.linear_fc1.bias",
+)
+_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "shared_experts.linear_fc2.weight")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 

@@ -33,7 +33,6 @@ def check_supported(cfg) -> None:
     _refuse(
         {
             "--fp16": m.fp16 or o.fp16,
-            "--expert-model-parallel-size": getattr(m, "expert_model_parallel_size", 1) != 1,
             "--apply-rope-fusion": getattr(m, "apply_rope_fusion", False),
             "--calculate-per-token-loss": getattr(m, "calculate_per_token_loss", False),
             "--use-precision-aware-optimizer": o.use_precision_aware_optimizer,

@@ -1,9 +1,11 @@
 """The parallel layout's checks, run by validate with the other config checks: layers, heads, the
-MLP and the batch split evenly over the layout, interleaving has microbatches for every chunk, and
---defer-embedding-wgrad-compute has a flush to wait for. Each failure is one ConfigError naming the
-flag and the fix."""
+MLP, the expert grid and the batch split evenly over the layout, interleaving has microbatches for
+every chunk, and --defer-embedding-wgrad-compute has a flush to wait for. Each failure is one
+ConfigError naming the flag and the fix."""
 
 from __future__ import annotations
+
+import math
 
 from megatron_lite.core.pipeline_parallel.interleaved import check_interleaving
 from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
@@ -37,12 +39,31 @@ def check_divisibility(cfg) -> None:
         )
     if vp > 1:
         _check_interleaving(cfg, pp)
+    _check_expert_grid(cfg)
     per_step = t.micro_batch_size * cfg.data_parallel_size
     if t.global_batch_size % per_step:
         raise ConfigError(
             "--global-batch-size",
             f"{t.global_batch_size} is not divisible by --micro-batch-size x data-parallel size = "
             f"{t.micro_batch_size} x {cfg.data_parallel_size}",
+        )
+
+
+def _check_expert_grid(cfg) -> None:
+    """parallel_state.initialize_model_parallel's expert grid, expert TP x EP x expert DP x PP, must
+    cover the same world: each stage's tp x cp x dp ranks split into groups of etp x ep (the expert
+    ranks come out of the data-parallel ones, as upstream; the world size stays tp x pp x cp x dp)."""
+    m = cfg.model
+    tp, cp, pp = m.tensor_model_parallel_size, m.context_parallel_size, m.pipeline_model_parallel_size
+    etp, ep = m.expert_tensor_parallel_size or tp, m.expert_model_parallel_size
+    per_stage = tp * cp * cfg.data_parallel_size
+    if per_stage % (etp * ep):
+        flag = "--expert-model-parallel-size" if ep > 1 else "--expert-tensor-parallel-size"
+        raise ConfigError(
+            flag,
+            f"tp x cp x dp = {per_stage} ranks per pipeline stage do not split into expert groups of "
+            f"etp x ep = {etp} x {ep}; use a world size (--nproc-per-node) that is a multiple of "
+            f"{pp * math.lcm(tp * cp, etp * ep)}",
         )
 
 

@@ -69,6 +69,13 @@ NOT_SIMULATED = (
 )
 
 
+MOE_REFUSAL = (
+    "a MoE model (--num-experts) cannot be dry-run yet: its routing's token counts are data on fake "
+    "tensors; use the preflight's prediction (exact with --moe-pad-expert-input-to-capacity, else balanced "
+    "and worst-case routing)"
+)
+
+
 @dataclass(frozen=True)
 class StageDryRun:
     """One stage's dry run: what its TP / CP / DP rank 0 allocates over the optimizer's first step and
@@ -92,6 +99,10 @@ def dry_run_stages(config, device_type: str = "cpu", out=None, what: str = "the 
     and what is not simulated (``what`` names the job there). DryRunError when a stage fails."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if config.model.num_moe_experts:
+        # The router's data-dependent shapes (nonzero, the dispatcher's split sizes via tolist) have no
+        # value under FakeTensorMode: refuse rather than measure something else.
+        raise DryRunError(MOE_REFUSAL)
     start = time.perf_counter()
     with FakeTensorMode():  # its first use imports torch._dynamo: once here, not in every child
         torch.empty(1) + 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lite.core.pipeline_parallel.interleaved import get_pp_rank_microbatches, get_schedule_table
+from megatron_lite.training.memory.predict.moe import is_moe, moe_mlp_saves
 
 
 @dataclass(frozen=True)
@@ -25,16 +26,17 @@ class Shape:
     batch: int  # the micro-batch size b
     elt: int  # bytes of an activation element (2 with bf16, else 4)
     m: object  # the GPTModelProvider
+    routing: str = "balanced"  # a MoE layer's token counts when the config leaves them open (predict/moe.py)
 
 
-def make_shape(config) -> Shape:
+def make_shape(config, routing: str = "balanced") -> Shape:
     m = config.model
     tokens = m.seq_length // m.context_parallel_size * config.train.micro_batch_size
     norm_tokens = tokens // m.tensor_model_parallel_size if m.sequence_parallel else tokens
     elt = 2 if (m.bf16 or m.fp16) else 4
     seq = m.seq_length
     batch = config.train.micro_batch_size
-    return Shape(tokens, norm_tokens, seq, seq // m.context_parallel_size, batch, elt, m)
+    return Shape(tokens, norm_tokens, seq, seq // m.context_parallel_size, batch, elt, m, routing)
 
 
 def _rotary_dim(m) -> int:
@@ -94,9 +96,10 @@ def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
     return inputs, core, out
 
 
-def layer_saves(x: Shape, selective: bool = True) -> dict[str, int]:
+def layer_saves(x: Shape, selective: bool = True, moe: bool = False) -> dict[str, int]:
     """Every storage one layer saves in one microbatch's forward; with ``selective`` (and the config's
-    selective recomputation) the checkpointed modules keep only their inputs."""
+    selective recomputation) the checkpointed modules keep only their inputs. ``moe``: the layer's
+    MLP is a MoE layer (predict/moe.py), for the Shape's routing."""
     m, t, tn, e, h = x.m, x.tokens, x.norm_tokens, x.elt, x.m.hidden_size
     tp = m.tensor_model_parallel_size
     sel = m.recompute_granularity == "selective" and selective
@@ -112,8 +115,10 @@ def layer_saves(x: Shape, selective: bool = True) -> dict[str, int]:
     if m.hidden_dropout > 0.0:
         saves["attention.dropout.mask"] = tn * h * e
     saves.update(_norm_saves(x, "pre_mlp_layernorm"))
-    saves["linear_fc1.input"] = tn * h * e
-    if not (sel and "mlp" in m.recompute_modules):
+    saves["linear_fc1.input"] = tn * h * e  # a MoE layer's router input: the same storage
+    if moe:
+        saves.update(moe_mlp_saves(x, x.routing))
+    elif not (sel and "mlp" in m.recompute_modules):
         ffn = m.ffn_hidden_size // tp
         saves["linear_fc1.output"] = t * ffn * (2 if m.gated_linear_unit else 1) * e  # the activation's input
         if m.gated_linear_unit:
@@ -213,18 +218,25 @@ def _recompute_units(layers: int, m) -> tuple[list[list[int]], int]:
     return [[i] for i in range(recomputed)], layers - recomputed
 
 
-def chunk_activations(x: Shape, layers: int, pre: bool, post: bool) -> ChunkActivations:
-    """Kept and backward-peak bytes of one microbatch through a chunk of ``layers`` layers, with the
-    embedding (``pre``) and the output layer and loss (``post``)."""
+def chunk_layer_bytes(x: Shape, layers: int, offset: int = 0) -> list[int]:
+    """What each of a chunk's layers (global indices from ``offset``) saves per microbatch: a MoE
+    layer's routed part for the Shape's routing."""
+    kinds = [is_moe(x.m, i) for i in range(offset, offset + layers)]
+    return [round(sum(layer_saves(x, moe=moe).values())) for moe in kinds]
+
+
+def chunk_activations(x: Shape, layers: int, pre: bool, post: bool, offset: int = 0) -> ChunkActivations:
+    """Kept and backward-peak bytes of one microbatch through a chunk of ``layers`` layers (global
+    indices from ``offset``), with the embedding (``pre``) and the output layer and loss (``post``)."""
     m = x.m
-    layer = sum(layer_saves(x).values())
+    per_layer = chunk_layer_bytes(x, layers, offset)
     emb = embedding_saves(x) if pre else 0
     out = output_saves(x) if post else 0
     # Under SP the first layer on the first stage saves a view of the whole embedding output (the
     # scatter's chunk is contiguous, so no copy is made): the full sequence's storage stays alive.
     sp_first = (x.tokens - x.norm_tokens) * m.hidden_size * x.elt if pre and m.sequence_parallel else 0
     if m.recompute_granularity != "full" or layers == 0:
-        kept = emb + (sp_first if norm_keeps_input(m) and layers else 0) + layers * layer + out
+        kept = emb + (sp_first if norm_keeps_input(m) and layers else 0) + sum(per_layer) + out
         peak = kept
         if m.recompute_granularity == "selective" and layers:
             peak = max(kept, kept - out + selective_backward_extra(x))
@@ -240,7 +252,7 @@ def chunk_activations(x: Shape, layers: int, pre: bool, post: bool) -> ChunkActi
     rope = 0
     if m.position_embedding_type == "rope" and units:  # the angles are a checkpoint argument too
         rope = x.local_seq * _rotary_dim(m) * 4
-    kept = emb + rope + sum(inputs) + whole * layer + out
+    kept = emb + rope + sum(inputs) + sum(per_layer[layers - whole :]) + out
     # Backward: the loss, output layer and the whole layers go first; then each unit, last first,
     # re-saves its layers while the inputs of it and of the units before it are still held. Its first
     # norm saves the kept input's own storage unless that was split over TP (then a gathered copy)
@@ -248,7 +260,7 @@ def chunk_activations(x: Shape, layers: int, pre: bool, post: bool) -> ChunkActi
     shared = not distribute and norm_keeps_input(m)
     peak = kept
     for u, unit in enumerate(units):
-        held = emb + rope + sum(inputs[: u + 1]) + len(unit) * layer
+        held = emb + rope + sum(inputs[: u + 1]) + sum(per_layer[i] for i in unit)
         if shared:
             held -= unit_input  # the recompute's first norm saves the very storage kept as the input
         peak = max(peak, held)

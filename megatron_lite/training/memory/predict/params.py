@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from megatron_lite.core.transformer.transformer_block import get_num_layers_to_build
 from megatron_lite.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron_lite.training.memory.predict.moe import expert_data_parallel_size, is_moe, moe_mlp_parameters
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ParamSpec:
     numel: int
     ndim: int
     shared_embedding: bool = False
+    expert: bool = False  # a routed expert's: in the expert buffer, sharded over expert data parallelism
 
 
 def _norm(prefix: str, m) -> list[ParamSpec]:
@@ -41,20 +43,26 @@ def _linear(prefix: str, rows: int, cols: int, bias: bool, bias_numel: int) -> l
     return specs + ([ParamSpec(f"{prefix}.bias", bias_numel, 1)] if bias else [])
 
 
-def _layer(prefix: str, m) -> list[ParamSpec]:
-    """One transformer layer: column-parallel outputs and row-parallel inputs split over tp; norms and
-    row-parallel biases whole."""
+def _layer(prefix: str, m, index: int = 0) -> list[ParamSpec]:
+    """One transformer layer (global index ``index``): column-parallel outputs and row-parallel inputs
+    split over tp; norms and row-parallel biases whole; a MoE layer's mlp from predict/moe.py."""
     tp, h = m.tensor_model_parallel_size, m.hidden_size
     groups = m.num_query_groups or m.num_attention_heads
     query = m.kv_channels * m.num_attention_heads
     qkv = (query + 2 * m.kv_channels * groups) // tp
     fc1 = m.ffn_hidden_size * (2 if m.gated_linear_unit else 1) // tp
     bias, qkv_bias = m.add_bias_linear, m.add_bias_linear or m.add_qkv_bias
-    return [
+    specs = [
         *_norm(f"{prefix}.input_layernorm", m),
         *_linear(f"{prefix}.self_attention.linear_qkv", qkv, h, qkv_bias, qkv),
         *_linear(f"{prefix}.self_attention.linear_proj", h, query // tp, bias, h),
         *_norm(f"{prefix}.pre_mlp_layernorm", m),
+    ]
+    if is_moe(m, index):
+        dense, experts = moe_mlp_parameters(f"{prefix}.mlp", m, ParamSpec)
+        return specs + dense + [ParamSpec(p.name, p.numel, p.ndim, expert=True) for p in experts]
+    return [
+        *specs,
         *_linear(f"{prefix}.mlp.linear_fc1", fc1, h, bias, fc1),
         *_linear(f"{prefix}.mlp.linear_fc2", h, m.ffn_hidden_size // tp, bias, h),
     ]
@@ -84,7 +92,7 @@ def chunk_parameters(m, pp_rank: int, vp_stage: int) -> list[ParamSpec]:
     num_layers = get_num_layers_to_build(m, vp_stage, pp_rank)
     offset = get_transformer_layer_offset(m, vp_stage, pp_rank)
     for i in range(offset, offset + num_layers):
-        specs += _layer(f"decoder.layers.{i}", m)
+        specs += _layer(f"decoder.layers.{i}", m, i)
     if post:
         specs += _norm("decoder.final_layernorm", m)
         if not (tied and pre):  # tied on one stage: the output layer reuses the embedding's weight
@@ -113,10 +121,11 @@ def _dp_cp(config) -> int:
     return config.data_parallel_size * config.model.context_parallel_size
 
 
-def buffer_layout(specs: list[ParamSpec], config) -> list[Bucket]:
-    """The buckets of the one gradient buffer a chunk's parameters (all of one dtype) fill."""
+def buffer_layout(specs: list[ParamSpec], config, dp: int | None = None) -> list[Bucket]:
+    """The buckets of the one gradient buffer ``specs`` (all of one dtype and kind) fill, padded for
+    ``dp`` ranks (dp x cp by default; the expert data-parallel size for the routed experts')."""
     distributed = config.optimizer.use_distributed_optimizer
-    dp, bucket_size = _dp_cp(config), _bucket_size(config)
+    dp, bucket_size = dp or _dp_cp(config), _bucket_size(config)
     buckets: list[Bucket] = []
     current: list[ParamSpec] = []
     start = offset = 0
@@ -176,14 +185,21 @@ def param_memory(config, pp_rank: int, dp_rank: int = 0) -> dict[str, int]:
     weights = grads = optimizer = params = largest = total = 0
     for vp_stage in range(vp):
         specs = chunk_parameters(m, pp_rank, vp_stage)
-        buckets = buffer_layout(specs, config)
         params += sum(p.numel for p in specs)
         weights += sum(p.numel for p in specs) * _dtype_bytes(m)
-        grads += sum(b.padded for b in buckets) * 4
-        if config.optimizer.use_distributed_optimizer:
-            pieces = shard_ranges(buckets, _dp_cp(config), dp_rank)
-        else:
-            pieces = [p.numel for p in specs]
+        pieces = []
+        # DDP's buffers: the dense parameters', then (MoE) the routed experts' over expert-dp.
+        for expert in (False, True):
+            kind = [p for p in specs if p.expert == expert]
+            if not kind:
+                continue
+            dp = expert_data_parallel_size(config) if expert else _dp_cp(config)
+            buckets = buffer_layout(kind, config, dp)
+            grads += sum(b.padded for b in buckets) * 4
+            if config.optimizer.use_distributed_optimizer:
+                pieces += shard_ranges(buckets, dp, dp_rank % dp)
+            else:
+                pieces += [p.numel for p in kind]
         # exp_avg and exp_avg_sq in fp32, a 4-byte ``step`` tensor, and an fp32 master if needed.
         optimizer += sum(8 * n + 4 + (4 * n if low_precision else 0) for n in pieces)
         largest, total = max([largest, *pieces]), total + sum(pieces)

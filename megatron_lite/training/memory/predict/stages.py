@@ -79,6 +79,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_lite.core.transformer.transformer_block import get_num_layers_to_build
+from megatron_lite.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron_lite.training.memory.predict.activations import (
     chunk_activations,
     deferred_wgrad_bytes,
@@ -87,6 +88,7 @@ from megatron_lite.training.memory.predict.activations import (
     schedule_events,
     schedule_peak,
 )
+from megatron_lite.training.memory.predict.moe import exact_routing
 from megatron_lite.training.memory.predict.params import chunk_bounds, param_memory
 from megatron_lite.training.memory.predict.temporaries import (
     chunk_transients,
@@ -139,6 +141,10 @@ class StageMemoryPrediction:
     """The saved activations at the instant of ``step_bytes``."""
     optimizer_step_bytes: int = 0
     """The optimizer step's scratch beyond the static bytes."""
+    activation_bytes_worst: int = 0
+    """MoE without padding to capacity: ``activation_bytes`` if every token of the expert group went to
+    this rank's experts (an upper bound; ``activation_bytes`` is then balanced routing's). 0 when the
+    config fixes the routed rows (dense, or padded to capacity)."""
     total_bytes: int = field(init=False)
     """weights + grads + optimizer state + peak activations + deferred wgrad buffers (a field, so
     ``asdict`` carries it)."""
@@ -159,16 +165,20 @@ class StageMemoryPrediction:
 
 
 def predict_memory_per_stage(
-    config, dp_rank: int = 0, device_type: str = "cpu"
+    config, dp_rank: int = 0, device_type: str = "cpu", routing: str = "balanced"
 ) -> list[StageMemoryPrediction]:
     """One prediction per pipeline rank for ``config`` (a validated ConfigContainer), for TP rank 0
     and rank ``dp_rank`` of the data-parallel x context-parallel group, on a ``device_type`` device
     ("cpu" or "cuda": their AdamW defaults differ in scratch). Pure and cheap: no process group, no
-    model."""
+    model. A MoE model's routed rows are ``routing``'s ("balanced" or "worst", predict/moe.py) unless
+    the config fixes them; with "balanced" and open rows ``activation_bytes_worst`` holds the bound."""
     m = config.model
+    worst = None
+    if routing == "balanced" and m.num_moe_experts and not exact_routing(m):
+        worst = predict_memory_per_stage(config, dp_rank, device_type, routing="worst")
     pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
     group = m.microbatch_group_size_per_vp_stage or pp
-    x = make_shape(config)
+    x = make_shape(config, routing)
     per_layer = sum(layer_saves(x).values())
     stages = []
     for rank in range(pp):
@@ -176,7 +186,8 @@ def predict_memory_per_stage(
         for vp_stage in range(vp):
             pre, post = chunk_bounds(m, rank, vp_stage)
             layers = get_num_layers_to_build(m, vp_stage, rank)
-            chunks.append(chunk_activations(x, layers, pre, post))
+            offset = get_transformer_layer_offset(m, vp_stage, rank)
+            chunks.append(chunk_activations(x, layers, pre, post, offset))
             transients.append(chunk_transients(x, chunks[-1], post))
             received.append(received_input_bytes(x, pre, layers))
         events = schedule_events(config.num_microbatches, vp, pp, rank, group)
@@ -206,6 +217,7 @@ def predict_memory_per_stage(
                 step_bytes=step + deferred,
                 saved_at_step_peak_bytes=saved_then,
                 optimizer_step_bytes=scratch,
+                activation_bytes_worst=worst[rank].activation_bytes if worst else 0,
             )
         )
     return stages
@@ -223,11 +235,20 @@ PREDICTED_KEYS = {
 }
 
 
+WORST_ACTIVATION_KEY = "predicted-max-activation-worst-gigabytes"
+
+
 def predicted_memory_metrics(predictions: list[StageMemoryPrediction]) -> dict[str, float]:
     """``{"memory/pp-stage-<i>/predicted-*-gigabytes": GB}`` (1e9 bytes, 5 significant digits, as the
     measured keys) for every stage."""
-    return {
+    metrics = {
         f"memory/pp-stage-{p.pp_rank}/{name}": gigabytes(getattr(p, attr))
         for p in predictions
         for attr, name in PREDICTED_KEYS.items()
     }
+    for p in predictions:  # MoE with open routing: the worst routing's bound beside balanced's
+        if p.activation_bytes_worst:
+            metrics[f"memory/pp-stage-{p.pp_rank}/{WORST_ACTIVATION_KEY}"] = gigabytes(
+                p.activation_bytes_worst
+            )
+    return metrics

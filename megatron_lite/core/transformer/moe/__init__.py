@@ -1,0 +1,2 @@
+"""Mixture of experts: the router, token dispatchers, experts and the MoE layer (megatron-core's
+``megatron.core.transformer.moe``)."""

@@ -1,0 +1,210 @@
+"""A rank's routed experts, as megatron.core.transformer.moe.experts names them.
+
+``TEGroupedMLP`` (``--moe-grouped-gemm``) holds local expert i's weights as ``linear_fc1.weight<i>``
+and ``linear_fc2.weight<i>`` and runs all local experts as one grouped GEMM per projection
+(``torch.nn.functional.grouped_mm``); ``SequentialMLP`` holds one MLP per local expert
+(``local_experts.<i>.linear_fc1.weight``) and runs them one after the other. Both take the tokens
+already sorted by expert, scale each expert's hidden activation by the token's routing probability
+(as upstream: before fc2, so the weighted outputs add up in the combine), and do no communication:
+the token dispatcher moves tokens between ranks. Under expert tensor parallelism each rank holds a
+slice of every local expert (fc1 by rows, gated as [gate slice; value slice], fc2 by columns) and
+returns partial outputs that the dispatcher's combine sums.
+
+Every expert is drawn from its own generator keyed by its global index, from the full-size master
+weight, so a model starts the same at any expert-parallel and expert-tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.core.tensor_parallel.utils import init_partition_, set_tensor_model_parallel_attributes
+from megatron_lite.core.transformer.transformer_config import TransformerConfig
+from megatron_lite.core.utils import seeded_init
+
+
+def expert_parameter(shape, config, init_method, partition_dim, etp_rank, etp_size, stride=1) -> nn.Parameter:
+    """One expert weight slice (``init_method`` None: a bias, zeroed), reduced over the expert
+    data-parallel ranks (``allreduce`` False) rather than the dense ones."""
+    weight = nn.Parameter(torch.empty(*shape, dtype=config.params_dtype))
+    if config.perform_initialization:
+        if init_method is None:
+            with torch.no_grad():
+                weight.zero_()
+        else:
+            init_partition_(weight, init_method, partition_dim, etp_rank, etp_size, stride)
+    # Marked split even where it is not (fc2's bias): expert biases need expert TP 1, so no rank holds
+    # a duplicate, and every rank's experts count in the gradient norm.
+    set_tensor_model_parallel_attributes(weight, True, 0 if partition_dim is None else partition_dim, stride)
+    weight.allreduce = False
+    return weight
+
+
+class ExpertLinear(nn.Module):
+    """``weight<i>`` (and ``bias<i>``) for experts i in ``names``; ``out`` x ``in`` per rank."""
+
+    def __init__(
+        self, config, in_features, out_features, names, *, seed, init, partition_dim, etp, stride, bias
+    ):
+        super().__init__()
+        etp_rank, etp_size = etp
+        for suffix, key in names:
+            with seeded_init(seed, key):
+                self.register_parameter(
+                    f"weight{suffix}",
+                    expert_parameter(
+                        (out_features, in_features), config, init, partition_dim, etp_rank, etp_size, stride
+                    ),
+                )
+            if bias:
+                bias_dim = 0 if partition_dim == 0 else None
+                self.register_parameter(
+                    f"bias{suffix}",
+                    expert_parameter((out_features,), config, None, bias_dim, etp_rank, etp_size, stride),
+                )
+        self.suffixes = [suffix for suffix, _ in names]
+        self.has_bias = bias
+
+    def weights(self) -> list[nn.Parameter]:
+        return [getattr(self, f"weight{s}") for s in self.suffixes]
+
+    def biases(self) -> list[nn.Parameter] | None:
+        return [getattr(self, f"bias{s}") for s in self.suffixes] if self.has_bias else None
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """grouped_mm needs rows that are multiples of 16 bytes."""
+    return all(
+        t.shape[-1] * t.element_size() % 16 == 0 and t.shape[-2] * t.element_size() % 16 == 0 for t in tensors
+    )
+
+
+def grouped_linear(x: torch.Tensor, weights, biases, tokens_per_expert: list[int]) -> torch.Tensor:
+    """``x`` (rows sorted by expert, ``tokens_per_expert[i]`` for expert i) times each expert's own
+    ``weight.T``: one grouped GEMM when the shapes allow it, else one GEMM per expert."""
+    stacked = torch.stack([w.to(x.dtype) for w in weights]).transpose(1, 2)  # [experts, in, out]
+    # CUDA's grouped GEMM kernels take bf16; other dtypes there loop over the experts.
+    grouped = x.device.type == "cpu" or (x.device.type == "cuda" and x.dtype == torch.bfloat16)
+    if grouped and _aligned(stacked[0], x):
+        offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+        out = F.grouped_mm(x, stacked, offs=offsets)
+    else:
+        out = torch.cat([part @ w for part, w in zip(x.split(tokens_per_expert), stacked, strict=True)])
+    if biases is not None:
+        out = out + torch.repeat_interleave(
+            torch.stack(biases).to(x.dtype), torch.tensor(tokens_per_expert, device=x.device), dim=0
+        )
+    return out
+
+
+class _ExpertsBase(nn.Module):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        num_local_experts: int,
+        local_expert_offset: int,
+        *,
+        layer_number,
+        etp,
+        seed,
+    ):
+        super().__init__()
+        self.seed = seed
+        self.config = config
+        self.num_local_experts = num_local_experts
+        self.local_expert_offset = local_expert_offset
+        self.layer_number = layer_number
+        self.etp = etp  # (rank, size) in the expert tensor-parallel group
+        gated = config.gated_linear_unit
+        self.ffn = config.moe_ffn_hidden_size // etp[1]
+        self.fc1_out = self.ffn * (2 if gated else 1)
+
+    def _linear(self, which: str, experts):
+        c = self.config
+        names = [(suffix, f"layer {self.layer_number - 1} expert {e} {which}") for suffix, e in experts]
+        if which == "fc1":
+            return ExpertLinear(
+                c, c.hidden_size, self.fc1_out, names, seed=self.seed, init=c.init_method, partition_dim=0, etp=self.etp,
+                stride=2 if c.gated_linear_unit else 1, bias=c.add_bias_linear,
+            )  # fmt: skip
+        return ExpertLinear(
+            c, self.ffn, c.hidden_size, names, seed=self.seed, init=c.output_layer_init_method, partition_dim=1, etp=self.etp,
+            stride=1, bias=c.add_bias_linear,
+        )  # fmt: skip
+
+    def activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The activation (gated: act(gate) * value), then each row times its routing probability."""
+        if self.config.gated_linear_unit:
+            gate, value = intermediate.chunk(2, dim=-1)
+            intermediate = self.config.activation_func(gate) * value
+        else:
+            intermediate = self.config.activation_func(intermediate)
+        return intermediate * probs.unsqueeze(-1).to(intermediate.dtype)
+
+
+class TEGroupedMLP(_ExpertsBase):
+    """The local experts as two grouped projections (``linear_fc1.weight<i>``, ``linear_fc2.weight<i>``)."""
+
+    def __init__(self, config, num_local_experts, local_expert_offset, *, layer_number, etp, seed):
+        super().__init__(
+            config, num_local_experts, local_expert_offset, layer_number=layer_number, etp=etp, seed=seed
+        )
+        experts = [(str(i), local_expert_offset + i) for i in range(num_local_experts)]
+        self.linear_fc1 = self._linear("fc1", experts)
+        self.linear_fc2 = self._linear("fc2", experts)
+
+    def forward(
+        self, hidden: torch.Tensor, tokens_per_expert: list[int], probs: torch.Tensor
+    ) -> torch.Tensor:
+        fc1 = grouped_linear(hidden, self.linear_fc1.weights(), self.linear_fc1.biases(), tokens_per_expert)
+        intermediate = self.activation(fc1, probs)
+        # fc2's bias is scaled by the probability too: the whole expert output is weighted.
+        out = grouped_linear(intermediate, self.linear_fc2.weights(), None, tokens_per_expert)
+        if self.linear_fc2.has_bias:
+            bias = torch.repeat_interleave(
+                torch.stack(self.linear_fc2.biases()).to(out.dtype),
+                torch.tensor(tokens_per_expert, device=out.device),
+                dim=0,
+            )
+            out = out + bias * probs.unsqueeze(-1).to(out.dtype)
+        return out
+
+
+class _ExpertMLP(nn.Module):
+    """One expert of SequentialMLP: ``linear_fc1.weight`` and ``linear_fc2.weight``."""
+
+    def __init__(self, parent: _ExpertsBase, expert: int):
+        super().__init__()
+        self.linear_fc1 = parent._linear("fc1", [("", expert)])
+        self.linear_fc2 = parent._linear("fc2", [("", expert)])
+
+
+class SequentialMLP(_ExpertsBase):
+    """The local experts as ``local_experts.<i>``, one MLP each, run one after the other."""
+
+    def __init__(self, config, num_local_experts, local_expert_offset, *, layer_number, etp, seed):
+        super().__init__(
+            config, num_local_experts, local_expert_offset, layer_number=layer_number, etp=etp, seed=seed
+        )
+        self.local_experts = nn.ModuleList(
+            _ExpertMLP(self, local_expert_offset + i) for i in range(num_local_experts)
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, tokens_per_expert: list[int], probs: torch.Tensor
+    ) -> torch.Tensor:
+        outputs = []
+        for expert, x, p in zip(
+            self.local_experts, hidden.split(tokens_per_expert), probs.split(tokens_per_expert)
+        ):
+            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+            intermediate = self.activation(
+                F.linear(x, fc1.weight.to(x.dtype), fc1.bias.to(x.dtype) if fc1.has_bias else None), p
+            )
+            out = F.linear(intermediate, fc2.weight.to(x.dtype))
+            if fc2.has_bias:
+                out = out + fc2.bias.to(out.dtype) * p.unsqueeze(-1).to(out.dtype)
+            outputs.append(out)
+        return torch.cat(outputs) if outputs else hidden.new_empty((0, self.config.hidden_size))

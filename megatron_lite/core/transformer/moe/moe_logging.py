@@ -1,0 +1,110 @@
+"""What the routers saw during a step, gathered for the dashboards (megatron-core's MoE metrics
+tracker, get_moe_metrics_tracker): each MoE layer's auxiliary losses and, for memory, the tokens each
+expert received.
+
+Routers ``record`` during forward (summed over the step's microbatches); ``report`` then reduces over
+the ranks and returns the scalars. Losses are reduced as upstream: summed over the pipeline (each
+stage fills its own layers), over the group that splits a sequence (its parts' losses add up), then
+averaged over data parallelism; the logged value is the mean over MoE layers per microbatch. Token
+counts are summed over all of it: ``moe/tokens_per_expert/...`` is what the whole global batch sent
+to each expert, the routers' own count whatever the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class MoEMetricsTracker:
+    def __init__(self):
+        self.losses: dict[str, torch.Tensor] = {}  # name -> [num_layers]
+        self.tokens: torch.Tensor | None = None  # [num_layers, num_experts]
+
+    def record(self, name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
+        """Add a scalar loss of layer ``layer_number`` (1-based)."""
+        if name not in self.losses:
+            self.losses[name] = torch.zeros(num_layers, dtype=torch.float64, device=value.device)
+        self.losses[name][layer_number - 1] += value.detach().to(torch.float64)
+
+    def record_tokens(self, counts: torch.Tensor, layer_number: int, num_layers: int) -> None:
+        """Add the tokens each expert of layer ``layer_number`` was given ([num_experts])."""
+        if self.tokens is None:
+            self.tokens = torch.zeros(num_layers, counts.numel(), dtype=torch.float64, device=counts.device)
+        self.tokens[layer_number - 1] += counts.detach().to(torch.float64)
+
+    def clear(self) -> None:
+        self.losses.clear()
+        self.tokens = None
+
+    def report(
+        self,
+        *,
+        pg_collection,
+        seq_group,
+        num_microbatches: int,
+        moe_layers: list[int],
+        loss_names: list[str],
+        num_layers: int,
+        num_experts: int,
+        device,
+    ) -> tuple[dict, str]:
+        """``(scalars, console text)`` for the step recorded so far, then clear. ``seq_group``: the
+        ranks holding parts of one sequence (tensor-parallel with sequence parallelism, and context
+        parallel), whose values add up. Collective over the pipeline, ``seq_group`` and data-parallel
+        groups: call on every rank of a MoE model (a stage without MoE layers adds zeros)."""
+        scalars: dict = {}
+        for name in loss_names:
+            values = self.losses.get(name)
+            values = torch.zeros(num_layers, dtype=torch.float64) if values is None else values
+            values = values.to(device)
+            _all_reduce(values, pg_collection.pp)
+            _all_reduce(values, seq_group)
+            _all_reduce(values, pg_collection.dp, mean=True)
+            scalars[name] = float(values.sum()) / num_microbatches / max(len(moe_layers), 1)
+        tokens = self.tokens
+        tokens = torch.zeros(num_layers, num_experts, dtype=torch.float64) if tokens is None else tokens
+        tokens = tokens.to(device)
+        _all_reduce(tokens, pg_collection.pp)
+        _all_reduce(tokens, seq_group)
+        _all_reduce(tokens, pg_collection.dp)
+        text = "".join(f" {name}: {scalars[name]:.2f} |" for name in loss_names)
+        scalars.update(token_scalars(tokens.cpu(), moe_layers))
+        self.clear()
+        return scalars, text
+
+
+def token_scalars(tokens: torch.Tensor, moe_layers: list[int]) -> dict:
+    """Dashboard scalars from ``tokens[layer - 1, expert]``: each expert's count, each layer's
+    max / mean imbalance, and the worst layer's."""
+    scalars: dict = {}
+    worst = 0.0
+    for layer in moe_layers:
+        counts = tokens[layer - 1]
+        for expert, count in enumerate(counts.tolist()):
+            scalars[f"moe/tokens_per_expert/layer_{layer}/expert_{expert}"] = int(count)
+        mean = float(counts.mean())
+        imbalance = float(counts.max()) / mean if mean > 0 else 0.0
+        scalars[f"moe/tokens_imbalance/layer_{layer}"] = imbalance
+        worst = max(worst, imbalance)
+    scalars["moe/tokens_imbalance"] = worst
+    return scalars
+
+
+def _all_reduce(tensor: torch.Tensor, group, mean: bool = False) -> None:
+    if _size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+        if mean:
+            tensor.div_(_size(group))
+
+
+_TRACKER = MoEMetricsTracker()
+
+
+def get_moe_metrics_tracker() -> MoEMetricsTracker:
+    """The process's tracker (one per process, as upstream)."""
+    return _TRACKER
