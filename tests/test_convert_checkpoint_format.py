@@ -1,6 +1,8 @@
 """tools/convert_checkpoint_format.py: a tp 2 x pp 2 ``torch`` checkpoint to ``torch_dist`` (resumed at
 tp 1 x pp 2, which only ``torch_dist`` allows) and back to ``torch`` (resumed at tp 2 x pp 2), each
-resume training on at the uninterrupted run's losses; bad input is one line before any worker."""
+resume training on at the uninterrupted run's losses; bad input is one line before any worker. A
+mixture-of-experts checkpoint (ep 2, files ``mp_rank_00_EEE``) converts too: to ``torch_dist``, resumed
+at ep 1, and back to the original's files."""
 
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ def convert(cwd, *args: str) -> str:
     return ok(run_script(TOOL, list(args), cwd)).stdout
 
 
-def resumed_losses(root, load: str, layout: list[str]) -> dict[int, float]:
-    result = ok(run_pretrain([*BASE, *layout, "--load", load], root))
+def resumed_losses(root, load: str, layout: list[str], base: list[str] = BASE) -> dict[int, float]:
+    result = ok(run_pretrain([*base, *layout, "--load", load], root))
     assert f"successfully loaded checkpoint from {load} at iteration 4" in result.stdout
     return parse_losses(result.stdout)
 
@@ -57,14 +59,22 @@ def test_round_trip_resumes_at_the_same_losses(trained):
     assert (back / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     shards = sorted(p.name for p in (back / "iter_0000004").iterdir() if p.is_dir())
     assert shards == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    for shard in shards:
-        before, after = (
-            torch.load(d / "iter_0000004" / shard / "model_optim_rng.pt", weights_only=False)
-            for d in (root / "ckpt", back)
-        )
-        assert before.pop("config")["model"] == after.pop("config")["model"]
-        assert_equal_state(before, after, shard)
+    assert_same_files(root / "ckpt", back, shards)
     assert_close(resumed_losses(root, "back/torch", TP2_PP2), straight)
+
+
+def assert_same_files(before_root, after_root, shards: list[str]) -> None:
+    """Each shard's files (``model_optim_rng.pt``, any ``distrib_optim.pt``) in ``after_root`` hold
+    what ``before_root``'s do, config aside."""
+    for shard in shards:
+        before_dir, after_dir = (d / "iter_0000004" / shard for d in (before_root, after_root))
+        names = sorted(p.name for p in before_dir.iterdir())
+        assert sorted(p.name for p in after_dir.iterdir()) == names, shard
+        for name in names:
+            before, after = (torch.load(d / name, weights_only=False) for d in (before_dir, after_dir))
+            if name == "model_optim_rng.pt":
+                assert before.pop("config")["model"] == after.pop("config")["model"]
+            assert_equal_state(before, after, f"{shard}/{name}")
 
 
 def assert_equal_state(a, b, where: str) -> None:
@@ -104,3 +114,30 @@ def test_bad_input_is_one_line_before_any_worker(trained, capsys, monkeypatch):
         assert named in err and len(err.strip().splitlines()) == 1, err
     after = sorted(p.name for p in root.iterdir()), sorted(p.name for p in (root / "ckpt").iterdir())
     assert after == before  # nothing written
+
+
+MOE = [
+    *BASE,
+    *("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-grouped-gemm"),
+    *("--moe-token-dispatcher-type", "alltoall", "--swiglu", "--disable-bias-linear"),
+    *("--use-distributed-optimizer", "--nproc-per-node", "2"),
+]
+
+
+def test_moe_round_trip_resumes_at_another_expert_parallel_size(tmp_path):
+    run = ok(
+        run_pretrain(
+            [*MOE, "--expert-model-parallel-size", "2", "--save", "ckpt", "--save-interval", "4"], tmp_path
+        )
+    )
+    straight = parse_losses(run.stdout)
+    out = convert(
+        tmp_path, "--load", "ckpt", "--ckpt-step", "4", "--save", "dist", "--ckpt-format", "torch_dist"
+    )
+    assert "converted checkpoint: ckpt (torch) -> dist (torch_dist), iteration 4" in out
+    assert_close(resumed_losses(tmp_path, "dist", ["--ckpt-format", "torch_dist"], MOE), straight)  # at ep 1
+
+    convert(tmp_path, "--load", "dist", "--save", "back", "--ckpt-format", "torch")
+    shards = sorted(p.name for p in (tmp_path / "back" / "iter_0000004").iterdir() if p.is_dir())
+    assert shards == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert_same_files(tmp_path / "ckpt", tmp_path / "back", shards)  # resumes as the original does

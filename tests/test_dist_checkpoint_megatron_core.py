@@ -7,25 +7,32 @@ untied embeddings, no biases), so the group-major QKV rows and the ``[gate; up]`
 exercised. Every tensor must equal bitwise the same-named state-dict entry of the other framework at
 the same TP rank, and both models must give the same logits (the tensors mean the same thing).
 
-megatron-core (the dev extra's oracle) runs on the CPU here with a few CUDA calls replaced, each named
-where it is replaced. Both directions run in one world: importing megatron-core costs each rank
+megatron-core (the dev extra's oracle) runs on the CPU here with a few CUDA calls replaced
+(``mcore_helpers``). Both directions run in one world: importing megatron-core costs each rank
 seconds, and its save spawns a results-queue manager process once per rank."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
 import traceback
-import zlib
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_helpers import run_world
+from mcore_helpers import (
+    assert_same,
+    causal_mask,
+    mcore_forward_on_cpu,
+    mcore_save_on_cpu,
+    poison,
+    randomize,
+    tensors,
+    write_backend_files,
+)
 
 from megatron_lite.core import dist_checkpointing, parallel_state
 from megatron_lite.models.gpt_provider import GPTModelProvider
@@ -88,55 +95,12 @@ def _our_pieces(model, provider) -> list:
     return sharded_pieces(model, None, provider, with_optimizer=False)
 
 
-def _randomize(model, is_tp_split) -> None:
-    """Random values in every parameter (norms too, not their ones), seeded by name and, for a tensor
-    split over TP, by TP rank: a replicated tensor is the same on both ranks, as in training."""
-    tp_rank = dist.get_rank()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            seed = zlib.crc32(name.encode()) + (1000 * tp_rank if is_tp_split(name, param) else 0)
-            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)))
-
-
-def _poison(model) -> None:
-    """NaN everywhere, so a tensor the load does not reach fails the comparison."""
-    with torch.no_grad():
-        for param in model.parameters():
-            param.fill_(float("nan"))
-
-
-def _tensors(model) -> dict[str, torch.Tensor]:
-    """The state dict without megatron-core's ``_extra_state`` entries: its local layers keep them
-    (None) only for Transformer Engine compatibility; ours have none."""
-    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-
-
-def _assert_same(ours: dict, theirs: dict) -> None:
-    assert ours.keys() == theirs.keys(), sorted(ours.keys() ^ theirs.keys())
-    for key, value in ours.items():
-        assert value.dtype == theirs[key].dtype and value.shape == theirs[key].shape, key
-        assert torch.equal(value, theirs[key]), key
-
-
 def _relative_logits_error(mcore, ours) -> float:
     """Max relative difference of this rank's logits (its vocabulary slice) on the same tokens."""
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(SEQ).expand_as(tokens)
-    # megatron-core's forward on the CPU: its RoPE moves the frequencies to
-    # ``torch.cuda.current_device()`` on the first call (rotary_pos_embedding.py,
-    # RotaryEmbedding.get_emb), here "cpu"; its default causal mask is built on "cuda"
-    # (transformer/utils.py, get_default_causal_mask), so the mask is passed (True: masked out); its
-    # attention forks the CUDA RNG tracker for dropout (dot_product_attention.py,
-    # DotProductAttention.forward), which needs CUDA generators: the dropout is 0, so a fork that
-    # keeps the current generator changes nothing.
-    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    no_fork = mock.Mock(fork=contextlib.nullcontext)
-    with (
-        torch.no_grad(),
-        mock.patch("torch.cuda.current_device", lambda: "cpu"),
-        mock.patch("megatron.core.tensor_parallel.get_cuda_rng_tracker", lambda: no_fork),
-    ):
-        theirs = mcore(tokens, positions, causal)  # [b, s, v / tp]
+    with mcore_forward_on_cpu():
+        theirs = mcore(tokens, positions, causal_mask(SEQ))  # [b, s, v / tp]
         mine = ours(tokens, positions).transpose(0, 1)  # [s, b, v / tp] -> [b, s, v / tp]
     assert mine.shape == theirs.shape == (2, SEQ, VOCAB // TP)
     return ((mine - theirs).abs().max() / theirs.abs().max()).item()
@@ -146,28 +110,19 @@ def _megatron_core_writes_we_read(root: str) -> float:
     from megatron.core import dist_checkpointing as mcore_dist_checkpointing
 
     mcore = _mcore_model()
-    _randomize(mcore, lambda _, param: getattr(param, "tensor_model_parallel", False))
-    # The two CUDA calls of megatron-core's save on the CPU: ``torch.cuda.synchronize()`` after
-    # copying the tensors to host memory (strategies/filesystem_async.py,
-    # FileSystemWriterAsync.preload_tensors, unconditionally) and ``torch.cuda.current_device()`` as
-    # the device of an all-reduce (strategies/state_dict_saver.py,
-    # save_state_dict_async_finalize), which gloo does on the CPU. unittest.mock, not pytest-mock's
-    # ``mocker``: this runs in a rank forked by run_world, where pytest's fixtures are not.
-    with (
-        mock.patch("torch.cuda.synchronize", lambda *args, **kwargs: None),
-        mock.patch("torch.cuda.current_device", lambda: "cpu"),
-    ):
+    randomize(mcore, lambda _, param: getattr(param, "tensor_model_parallel", False), dist.get_rank())
+    with mcore_save_on_cpu():
         mcore_dist_checkpointing.save(mcore.sharded_state_dict(), root)
     with open(os.path.join(root, "metadata.json")) as f:
         assert json.load(f) == SHARDED_BACKEND  # what save_distributed writes, and load checks for
 
     ours, provider = _our_model()
-    _poison(ours)
+    poison(ours)
     pieces = _our_pieces(ours, provider)
     assert dist_checkpointing.missing_or_mismatched(pieces, dist_checkpointing.load_metadata(root)) == []
     with torch.no_grad():
         dist_checkpointing.load(pieces, root)
-    _assert_same(_tensors(ours), _tensors(mcore))
+    assert_same(tensors(ours), tensors(mcore))
     return _relative_logits_error(mcore, ours)
 
 
@@ -178,19 +133,12 @@ def _we_write_megatron_core_reads(root: str) -> float:
     from megatron_lite.core.models.gpt.state_dict_sharding import tp_split_dim
 
     ours, provider = _our_model()
-    _randomize(ours, lambda name, _: tp_split_dim(name) is not None)
+    randomize(ours, lambda name, _: tp_split_dim(name) is not None, dist.get_rank())
     dist_checkpointing.save(_our_pieces(ours, provider), root)
-    if dist.get_rank() == 0:
-        # What save_distributed adds to the DCP files: megatron-core's metadata.json, which its load
-        # reads the strategies from, and a common.pt, which it loads first and merges the tensors
-        # into (any dict; save_distributed's holds the iteration, config, RNG states ...).
-        with open(os.path.join(root, "metadata.json"), "w") as f:
-            json.dump(SHARDED_BACKEND, f)
-        torch.save({"iteration": 0}, os.path.join(root, "common.pt"))
-    dist.barrier()
+    write_backend_files(root)
 
     mcore = _mcore_model()
-    _poison(mcore)
+    poison(mcore)
     # RETURN_ALL: megatron-core checks the request against the checkpoint's metadata, drops what it
     # does not hold before reading, and returns both mismatches ("unexpected": asked for, not in the
     # checkpoint; "missing": in the checkpoint, not asked for).
@@ -205,7 +153,7 @@ def _we_write_megatron_core_reads(root: str) -> float:
     result = mcore.load_state_dict(loaded, strict=False)
     assert not result.unexpected_keys, result.unexpected_keys
     assert all(key.endswith("_extra_state") for key in result.missing_keys), result.missing_keys
-    _assert_same(_tensors(mcore), _tensors(ours))
+    assert_same(tensors(mcore), tensors(ours))
     return _relative_logits_error(mcore, ours)
 
 

@@ -132,3 +132,16 @@ def test_the_json_holds_the_table_the_verdict_and_the_fix(tmp_path):
     bad = run_pretrain([*argv[:-1], "missing/preflight.json", "--device-memory-gb", "80"], tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--memory-preflight-json" in bad.stderr
     assert sorted(os.listdir(tmp_path)) == ["preflight.json"]
+
+
+def test_block_recompute_already_on_is_offered_more_layers_not_selective():
+    """FIRST_STAGE_HEAVY with block recompute of 1 of each stage's 2 layers: the second is left."""
+    from megatron_lite.training.arguments import parse_args
+    from megatron_lite.training.memory.levers import candidate_changes
+
+    argv = " ".join(FIRST_STAGE_HEAVY).replace("--recompute-method uniform", "--recompute-method block")
+    changes = candidate_changes(parse_args(argv.split()))
+    flag = "--recompute-num-layers"
+    layers = {c.flags[c.flags.index(flag) + 1] for c in changes if flag in c.flags}
+    assert layers == {"2"}
+    assert not any("selective" in c.flags for c in changes)

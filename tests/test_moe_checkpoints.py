@@ -2,7 +2,9 @@
 rank's file ``mp_rank_XX_YYY`` and resumes at its saved layout only; ``torch_dist`` writes the experts
 at megatron-core's global keys, so a checkpoint saved at ep 2 (grouped experts, distributed optimizer)
 resumes at ep 1, ep 4 and another expert-TP size, with grouped or sequential experts, with the losses
-of the unbroken run. Real gloo worlds, real files."""
+of the unbroken run; so does one of sequential experts in dense and MoE layers mixed (upstream's
+non-homogeneous layers, one key per layer) with a gated shared expert, resumed with grouped experts.
+Real gloo worlds, real files."""
 
 from __future__ import annotations
 
@@ -106,4 +108,46 @@ def test_torch_dist_resumes_at_another_expert_layout(dist_tp2_ep2, layout):
     args = [*MOE, *layout, "--ckpt-format", "torch_dist", "--load", "ckpt", "--ckpt-step", "3"]
     resumed = ok(run_pretrain(args, root))
     assert "resharding checkpoint from tp=2" in resumed.stdout
+    _assert_close(parse_losses(resumed.stdout), reference, range(4, 7))
+
+
+MIXED = [
+    *MOE,
+    *("--moe-layer-freq", "2", "--moe-shared-expert-intermediate-size", "96", "--moe-shared-expert-gate"),
+    *("--ckpt-format", "torch_dist", *DIST_OPT),
+]
+
+
+@pytest.fixture(scope="module")
+def dist_mixed_ep2(tmp_path_factory):
+    """6 iterations of MIXED at ep 2 with sequential experts in --ckpt-format torch_dist, saving 3 and 6:
+    layers 0 and 2 MoE with a gated shared expert, layers 1 and 3 dense."""
+    root = tmp_path_factory.mktemp("moe_mixed")
+    args = [*MIXED, "--expert-model-parallel-size", "2", "--nproc-per-node", "2"]
+    straight = ok(run_pretrain([*args, "--save", "ckpt", "--save-interval", "3"], root))
+    return root, parse_losses(straight.stdout)
+
+
+def test_mixed_dense_and_moe_layers_are_saved_one_key_per_layer(dist_mixed_ep2):
+    root, _ = dist_mixed_ep2
+    saved = load_metadata(str(root / "ckpt" / "iter_0000003")).state_dict_metadata
+    assert tuple(saved["decoder.layers.2.mlp.experts.experts.linear_fc1.weight"].size) == (4, 256, 64)
+    assert tuple(saved["decoder.layers.2.mlp.shared_experts.linear_fc1.weight"].size) == (192, 64)
+    assert tuple(saved["decoder.layers.2.mlp.shared_experts.gate_weight"].size) == (1, 64)
+    assert "decoder.layers.2.pre_mlp_layernorm.weight" in saved
+    # A dense layer's norm is fused into its fc1, as in upstream's Transformer Engine layers.
+    assert tuple(saved["decoder.layers.3.mlp.linear_fc1.weight"].size) == (256, 64)
+    assert "decoder.layers.3.mlp.linear_fc1.layer_norm_weight" in saved
+    assert not any(key.startswith("decoder.layers.mlp.") for key in saved)
+
+
+def test_grouped_experts_resume_a_sequential_mixed_checkpoint_at_another_expert_parallel_size(
+    dist_mixed_ep2,
+):
+    root, reference = dist_mixed_ep2
+    args = [*MIXED, "--nproc-per-node", "2", "--moe-grouped-gemm", "--load", "ckpt", "--ckpt-step", "3"]
+    resumed = ok(run_pretrain(args, root))
+    assert (
+        "resharding checkpoint from tp=1 pp=1 dp=2 ep=2 etp=1 to tp=1 pp=1 dp=2 ep=1 etp=1" in resumed.stdout
+    )
     _assert_close(parse_losses(resumed.stdout), reference, range(4, 7))

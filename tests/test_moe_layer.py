@@ -171,3 +171,16 @@ def test_flops_count_the_topk_experts_and_the_shared_expert():
     # Per token and MoE layer: a second expert (ffn 256) and the shared expert (32), fc1 + fc2,
     # 2 FLOPs per multiply-add, x3 for backward; 4 layers, 8 x 32 tokens.
     assert flops - dense == 3 * 2 * 4 * 2 * 64 * (256 + 32) * 8 * 32
+
+
+def test_the_metrics_tracker_starts_afresh_for_another_model():
+    from megatron_lite.core.transformer.moe.moe_logging import MoEMetricsTracker
+
+    tracker = MoEMetricsTracker()
+    tracker.record_tokens(torch.tensor([1, 2]), layer_number=2, num_layers=2)
+    tracker.record("load_balancing_loss", torch.tensor(1.0), layer_number=2, num_layers=2)
+    # A deeper model in the same process (a dry run after a test, a second run from Python).
+    tracker.record_tokens(torch.tensor([3, 4, 5]), layer_number=4, num_layers=4)
+    tracker.record("load_balancing_loss", torch.tensor(2.0), layer_number=4, num_layers=4)
+    assert tracker.tokens[3].tolist() == [3, 4, 5] and tracker.tokens[:3].sum() == 0
+    assert tracker.losses["load_balancing_loss"].tolist() == [0, 0, 0, 2]

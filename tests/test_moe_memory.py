@@ -1,6 +1,6 @@
 """MoE memory: what a MoE layer saves for the rows its experts take, each stage's prediction against a
 real pp 2 x ep 2 run (exact with padding to capacity; bounded by the worst routing without), and the
-attribution's first step."""
+attribution's first step (the dry run against the same runs: test_moe_dry_run.py)."""
 
 from __future__ import annotations
 
@@ -103,9 +103,11 @@ def test_without_capacity_each_stage_stays_under_the_worst_routing_bound(tmp_pat
         measured, balanced = s["activations"]
         worst = p.activation_bytes_worst / 1e9
         assert balanced < worst
-        # The balanced figure is a prediction (routing may sit on either side); the bound holds.
+        # The bound holds on every rank. The stage's value is its worst EP rank's (a MAX over the
+        # expert-parallel group): the EP ranks' rows add up to the balanced rows times ep, so the worst
+        # takes at least the balanced share (1%: the prediction's own error on the rest).
         assert measured <= worst * 1.001, (stage, measured, balanced, worst)
-        assert measured >= balanced * 0.9, (stage, measured, balanced)
+        assert measured >= balanced * 0.99, (stage, measured, balanced)
 
 
 def test_first_step_other_peak_is_the_rest_at_the_peak_instant_never_negative():
@@ -121,11 +123,3 @@ def test_first_step_other_peak_is_the_rest_at_the_peak_instant_never_negative():
     assert other_memory_stats(stats)["other_bytes.peak"] == 40
     cuda = {k: v for k, v in stats.items() if k != "temporaries_bytes.peak"}
     assert other_memory_stats(cuda)["other_bytes.peak"] == 0
-
-
-def test_the_dry_run_refuses_a_moe_model_in_one_line():
-    from megatron_lite.training.memory.dry_run import DryRunError, dry_run_stages
-
-    with pytest.raises(DryRunError, match="MoE model") as err:
-        dry_run_stages(parse_args(RUN))
-    assert "\n" not in str(err.value)

@@ -52,7 +52,6 @@ def test_one_process_moe_trains_and_logs_its_aux_losses(reference):
 
 
 LAYOUTS = {
-    "ep2-alltoall": (2, "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"),
     "ep2-allgather-sequential": (2, "--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather"),
     "ep2-tp2-etp1": (
         4,
@@ -74,7 +73,8 @@ LAYOUTS = {
     ),
     "ep2-dp2-distopt": (
         4,
-        "--expert-model-parallel-size 2 --use-distributed-optimizer --moe-token-dispatcher-type alltoall --moe-grouped-gemm",
+        "--expert-model-parallel-size 2 --use-distributed-optimizer --moe-token-dispatcher-type alltoall "
+        "--moe-grouped-gemm",
     ),
 }
 
@@ -86,17 +86,19 @@ def test_loss_matches_one_process(tmp_path, reference, layout):
     _assert_parity(losses, reference[0])
 
 
-def test_dashboard_token_counts_are_the_routers(tmp_path, reference):
-    """Every expert's count on the dashboard, at every step, is what the routers sent it: the same
-    whether the experts live on one rank or two (identical weights at step 1, so identical routing),
-    and all of a layer's counts add up to the tokens of the global batch times top-k."""
-    _, _, ref_tb = reference
-    _run(
+def test_ep2_alltoall_matches_one_process_and_its_dashboards_count_the_routers_tokens(tmp_path, reference):
+    """Loss parity at EP 2 over the all-to-all dispatcher, and every expert's count on its dashboard,
+    at every step, is what the routers sent it: the same whether the experts live on one rank or two
+    (identical weights at step 1, so identical routing), and all of a layer's counts add up to the
+    tokens of the global batch times top-k."""
+    ref_losses, _, ref_tb = reference
+    losses, _ = _run(
         tmp_path,
         2,
         "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
         logdir=tmp_path / "tb",
     )
+    _assert_parity(losses, ref_losses)
     ep2, one = scalars(tmp_path / "tb"), scalars(ref_tb)
     tags = [t for t in one if t.startswith("moe/tokens_per_expert/")]
     assert len(tags) == 4 * 4  # every layer is MoE, 4 experts each

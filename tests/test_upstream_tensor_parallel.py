@@ -93,10 +93,25 @@ def test_linear_layers_return_output_and_bias_as_upstream():
     assert not hasattr(row.bias, "tensor_model_parallel")  # the bias is duplicated, not split
     with pytest.raises(TypeError):  # upstream makes bias / input_is_parallel / skip_bias_add required
         tensor_parallel.RowParallelLinear(6, 4, config=cfg, init_method=_arange_init, bias=True)
-    with pytest.raises(NotImplementedError, match="is_expert"):
-        tensor_parallel.ColumnParallelLinear(8, 6, config=cfg, init_method=_arange_init, is_expert=True)
     with pytest.raises(RuntimeError, match="shape"):
         col(x, weight=torch.zeros(5, 8))
+
+
+def test_expert_layers_are_reduced_over_the_expert_groups_when_those_differ():
+    """is_expert: parameters marked allreduce=False when the expert data-parallel group is not the
+    dense one (an expert-TP size of its own, or expert parallelism), as upstream."""
+
+    def params(cfg):
+        col = tensor_parallel.ColumnParallelLinear(8, 6, config=cfg, init_method=_arange_init, is_expert=True)
+        row = tensor_parallel.RowParallelLinear(
+            6, 8, config=cfg, init_method=_arange_init, bias=True, input_is_parallel=True,
+            skip_bias_add=True, is_expert=True,
+        )  # fmt: skip
+        return [*col.parameters(), *row.parameters()]
+
+    assert all(p.allreduce is False for p in params(_config(expert_tensor_parallel_size=2)))
+    assert all(p.allreduce is False for p in params(_config(expert_model_parallel_size=2)))
+    assert all(p.allreduce is True for p in params(_config()))  # expert dp = dense dp
 
 
 def test_perform_initialization_false_sets_attributes_without_drawing():
@@ -279,6 +294,25 @@ def _tp_world(rank: int, world: int) -> bool:
     emb = tensor_parallel.VocabParallelEmbedding(6, 8, init_method=_arange_init, config=cfg)
     ids = torch.tensor([[0, 5, 3]])
     assert torch.allclose(emb(ids), F.embedding(ids, full_w))
+
+    # Expert layers (expert TP = TP here): this rank's shard, no collective inside; the token
+    # dispatcher gathers the tokens and reduces the outputs (upstream's explicit_expert_comm).
+    ecol = tensor_parallel.ColumnParallelLinear(
+        8, 6, config=cfg, init_method=_arange_init, bias=False, is_expert=True
+    )
+    assert ecol.explicit_expert_comm and ecol.tp_group is parallel_state.get_expert_tensor_parallel_group()
+    xe = x.clone().requires_grad_(True)
+    out, _ = ecol(xe)
+    assert torch.allclose(out, F.linear(x, full_w.chunk(world)[rank]))
+    out.sum().backward()  # not all-reduced: this shard's part of the input gradient only
+    assert torch.allclose(xe.grad, full_w.chunk(world)[rank].sum(0).expand_as(x))
+    erow = tensor_parallel.RowParallelLinear(
+        8, 6, config=cfg, init_method=_arange_init, bias=True, input_is_parallel=True,
+        skip_bias_add=True, is_expert=True,
+    )  # fmt: skip
+    part = x.chunk(world, dim=-1)[rank]
+    out, bias = erow(part)
+    assert bias is erow.bias and torch.allclose(out, F.linear(part, full_w.chunk(world, dim=1)[rank]))
 
     # Cross entropy over split logits equals the full one, with the full gradient slice.
     logits, target = torch.randn(5, 6), torch.randint(0, 6, (5,))

@@ -13,6 +13,8 @@ import torch
 from dist_helpers import run_world
 
 from megatron_lite.core import num_microbatches_calculator as nmc
+from megatron_lite.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron_lite.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron_lite.training.utils import train_utils
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
 from megatron_lite.training.utils.train_utils import (
@@ -226,6 +228,73 @@ def test_memory_flag_kept_through_the_second_iteration_after_load(patched, mocke
     )
 
 
+def _moe_model(**kw):
+    defaults = dict(moe_router_load_balancing_type="aux_loss", moe_z_loss_coeff=1e-3)
+    return SimpleNamespace(num_layers=4, num_moe_experts=8, moe_layer_freq=2, **(defaults | kw))
+
+
+def _record_moe_step():
+    """Two MoE layers (1 and 3 of 4) recorded over a step of two microbatches."""
+    tracker = get_moe_metrics_tracker()
+    tracker.clear()
+    tracker.record("load_balancing_loss", torch.tensor(0.4), 1, 4)
+    tracker.record("load_balancing_loss", torch.tensor(0.8), 3, 4)
+    tracker.record("z_loss", torch.tensor(0.2), 1, 4)
+    return tracker
+
+
+def test_track_moe_metrics_writes_the_layer_mean_and_accumulates_losses_as_upstream():
+    tracker = _record_moe_step()
+    writer, totals = mock.MagicMock(), {}
+    text = track_moe_metrics(
+        loss_scale=0.5,
+        iteration=7,
+        writer=writer,
+        total_loss_dict=totals,
+        per_layer_logging=True,
+        track_names=["load_balancing_loss", "z_loss"],
+        num_layers=4,
+        moe_layer_freq=2,
+        pg_collection=SimpleNamespace(pp=None, dp=None),  # one rank
+    )
+    # Summed over the step's microbatches x loss_scale, averaged over the 2 MoE layers.
+    writer.add_scalar.assert_any_call("load_balancing_loss", pytest.approx(0.3), 7)
+    writer.add_scalar.assert_any_call("z_loss", pytest.approx(0.05), 7)
+    writer.add_scalar.assert_any_call("moe/load_balancing_loss_layer_2", pytest.approx(0.4), 7)
+    assert totals["load_balancing_loss"].item() == pytest.approx(0.3)  # shown on the interval line
+    assert text == "" and tracker.losses == {}  # losses leave the console text; the step is cleared
+
+
+def test_track_moe_metrics_without_a_loss_dict_returns_the_console_text():
+    _record_moe_step()
+    text = track_moe_metrics(
+        0.5, 1, track_names=["load_balancing_loss"], num_layers=4, moe_layer_freq=[1, 0, 1, 0],
+        pg_collection=SimpleNamespace(pp=None, dp=None),
+    )  # fmt: skip
+    assert text == " load_balancing_loss: 0.30 |"
+
+
+def test_training_log_tracks_moe_losses_when_the_loop_gave_no_report(patched, mocker):
+    track = mocker.patch(f"{TU}.track_moe_metrics", return_value=" x: 1.00 |")
+    config = _config()
+    config.model = _moe_model(moe_router_load_balancing_type="seq_aux_loss")
+    _log(_state(5, loggers=False), config)  # collective: on a rank without loggers too
+    kwargs = track.call_args.kwargs
+    # Upstream's substring tests: "seq_aux_loss" also names the plain load-balancing loss.
+    assert kwargs["track_names"] == ["load_balancing_loss", "seq_load_balancing_loss", "z_loss"]
+    assert kwargs["loss_scale"] == 1 / 4 and kwargs["num_layers"] == 4 and kwargs["moe_layer_freq"] == 2
+    assert patched.print_last.call_args.args[0].endswith(" x: 1.00 |")
+
+
+def test_training_log_uses_the_loops_moe_report_as_given(patched, mocker):
+    track = mocker.patch(f"{TU}.track_moe_metrics")
+    config, state = _config(), _state(5)
+    config.model = _moe_model()
+    _log(state, config, moe_report=({"load_balancing_loss": 0.3}, " load_balancing_loss: 0.30 |"))
+    track.assert_not_called()
+    state.tensorboard_logger.add_scalar.assert_any_call("load_balancing_loss", 0.3, 5)
+
+
 def test_training_log_signature_is_upstreams():
     params = inspect.signature(training_log).parameters
     assert list(params)[:14] == [
@@ -312,7 +381,9 @@ def _world_reductions(rank, world):
     model.replica = torch.nn.Parameter(torch.full((4,), 2.0))  # replicated: counts once
     model.tied = torch.nn.Parameter(torch.full((5,), 7.0))
     model.tied.shared = True  # counted on the stage that owns it
-    model.pg_collection = SimpleNamespace(tp=group, expt_tp=group, mp=group)
+    model.pg_collection = SimpleNamespace(
+        tp=group, expt_tp=group, mp=group, dp_cp=group, expt_dp=group, tp_ep_pp=group
+    )
     return calc_params_l2_norm(model, SimpleNamespace(bf16=False)), (all_true, one_false, lr, none)
 
 
@@ -322,13 +393,37 @@ def test_params_norm_and_model_parallel_reductions_over_a_real_group():
     assert run_world(_world_reductions, 2) == [(pytest.approx(expected), (True, False, 2.0, None))] * 2
 
 
+def _expert_parallel_norm(rank, world):
+    """Two ranks of one data-parallel pair that split the experts (ep=2): the dense weight is the same
+    on both, each rank holds different experts."""
+    from megatron_lite.core import parallel_state as ps
+    from megatron_lite.core.process_groups_config import ProcessGroupCollection
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    model = torch.nn.Module()
+    model.dense = torch.nn.Parameter(torch.full((4,), 2.0))  # replicated over dp: counts once
+    model.expert = torch.nn.Parameter(torch.full((3,), float(rank + 1)))  # this rank's experts
+    model.expert.allreduce = False
+    model.pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    try:
+        return calc_params_l2_norm(model, SimpleNamespace(bf16=False))
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_params_norm_sums_expert_parameters_over_the_expert_parallel_ranks():
+    expected = math.sqrt(4 * 4 + 3 * 1 + 3 * 4)
+    assert run_world(_expert_parallel_norm, 2) == [pytest.approx(expected)] * 2
+
+
 def test_bf16_norm_prefers_the_fp32_master():
     model = torch.nn.Linear(2, 1, bias=False).to(torch.bfloat16)
     model.weight.main_param = torch.tensor([[3.0, 4.0]])
-    group = SimpleNamespace(tp=None, expt_tp=None, mp=None)
+    group = SimpleNamespace(tp=None, expt_tp=None, mp=None, dp_cp=None, expt_dp=None, tp_ep_pp=None)
     with (
         mock.patch(f"{TU}.get_pg_collection", return_value=group),
         mock.patch("torch.distributed.all_reduce"),
+        mock.patch("torch.distributed.get_process_group_ranks", return_value=[0]),
     ):
         assert calc_params_l2_norm(model, SimpleNamespace(bf16=True)) == 5.0
         assert calc_params_l2_norm(model, SimpleNamespace(bf16=True), force_create_fp32_copy=True) != 5.0

@@ -58,6 +58,11 @@ def fake_world_stands_for(backend: str):
         _FAKE_WORLD_STANDS_FOR = before
 
 
+def fake_world_backend() -> str | None:
+    """The backend the preflight's dry run has its fake world stand for; None outside a dry run."""
+    return _FAKE_WORLD_STANDS_FOR
+
+
 def collective_backend(group=None) -> str:
     """The backend whose code path a collective over ``group`` takes: the group's own, or for a fake
     process group the one the preflight's dry run has it stand for."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.model_parallel_config import ModelParallelConfig
+from megatron_lite.core.parallel_state import get_tensor_model_parallel_rank  # noqa: F401 (upstream's name here)
 from megatron_lite.core.tensor_parallel.embedding_grad import embedding
 from megatron_lite.core.tensor_parallel.linear_wgrad import (
     LinearWithGradAccumulationAndAsyncCommunication,
@@ -60,16 +61,32 @@ def _device(config: ModelParallelConfig) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _refuse_unsupported(config: ModelParallelConfig, layer: str, is_expert: bool = False, **options) -> None:
-    if is_expert:
-        raise NotImplementedError(
-            f"{layer}(is_expert=True): expert layers are not supported by megatron_lite"
-        )
+def _refuse_unsupported(config: ModelParallelConfig, layer: str, **options) -> None:
     if config.gradient_accumulation_fusion:
         raise NotImplementedError("gradient_accumulation_fusion is not supported by megatron_lite")
     for name, bad in options.items():
         if bad:
             raise NotImplementedError(f"{layer}({name}=...) is not supported by megatron_lite")
+
+
+def _expert_topology(config: ModelParallelConfig, is_expert: bool, tp_group) -> tuple[bool, bool]:
+    """``(explicit_expert_comm, use_expert_pgs)`` of an expert layer, as upstream: its tensor-parallel
+    collectives are left to the token dispatcher when it is split over experts or expert-TP ranks, and
+    its parameters are reduced over the expert data-parallel group (``allreduce`` False) when that
+    differs from the dense one (expert parallelism, or an expert-TP size of its own)."""
+    expert_parallel = config.expert_model_parallel_size > 1
+    explicit_expert_comm = is_expert and (get_pg_size(tp_group) > 1 or expert_parallel)
+    etp = config.expert_tensor_parallel_size
+    own_etp = etp is not None and etp != config.tensor_model_parallel_size
+    return explicit_expert_comm, is_expert and (expert_parallel or own_etp)
+
+
+def _tp_group(tp_group, pg_collection, is_expert: bool):
+    """The layer's tensor-parallel group: the given one, else the collection's (expert TP for an
+    expert layer), else parallel_state's."""
+    if tp_group is None and pg_collection is not None:
+        tp_group = pg_collection.expt_tp if is_expert else pg_collection.tp
+    return get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
 
 
 def _new_parameter(shape, config: ModelParallelConfig, init_method, partition_dim, rank, world, stride=1):
@@ -171,7 +188,13 @@ def linear_with_grad_accumulation_and_async_allreduce(
 class ColumnParallelLinear(nn.Module):
     """Y = XA + b with A split by columns: rank r holds A[:, r]. Returns ``(output, output_bias)``:
     the bias is added unless ``skip_bias_add``, in which case it is returned for the caller to fuse.
-    Collective over ``tp_group`` (the input gradient is all-reduced; ``gather_output`` gathers Y)."""
+    Collective over ``tp_group`` (the input gradient is all-reduced; ``gather_output`` gathers Y).
+
+    ``is_expert``: a routed expert's layer (upstream's). Its group is the expert tensor-parallel one;
+    with more than one expert-TP rank or expert parallelism the communication is explicit (upstream's
+    ``explicit_expert_comm``: the token dispatcher moves the tokens, no TP collective runs here), and
+    with expert parallelism or an expert-TP size of its own the parameters are marked
+    ``allreduce=False``, reduced over the expert data-parallel group."""
 
     def __init__(
         self,
@@ -200,7 +223,6 @@ class ColumnParallelLinear(nn.Module):
         _refuse_unsupported(
             config,
             "ColumnParallelLinear",
-            is_expert,
             keep_master_weight_for_test=keep_master_weight_for_test,
             output_dtype=output_dtype is not None and output_dtype != config.params_dtype,
         )
@@ -211,9 +233,8 @@ class ColumnParallelLinear(nn.Module):
             embedding_activation_buffer,
             grad_output_buffer,
         )
-        if tp_group is None and pg_collection is not None:
-            tp_group = pg_collection.tp
-        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        self.tp_group = _tp_group(tp_group, pg_collection, is_expert)
+        self.explicit_expert_comm, use_expert_pgs = _expert_topology(config, is_expert, self.tp_group)
         rank, world = get_pg_rank(self.tp_group), get_pg_size(self.tp_group)
         self.output_size_per_partition = divide(output_size, world)
         if skip_weight_param_allocation:
@@ -221,12 +242,13 @@ class ColumnParallelLinear(nn.Module):
         else:
             shape = (self.output_size_per_partition, input_size)
             self.weight = _new_parameter(shape, config, init_method, 0, rank, world, stride)
+            self.weight.allreduce = not use_expert_pgs
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(self.output_size_per_partition, dtype=config.params_dtype, device=_device(config))
             )
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
-            self.bias.allreduce = True
+            self.bias.allreduce = not use_expert_pgs
         else:
             self.register_parameter("bias", None)
 
@@ -244,9 +266,13 @@ class ColumnParallelLinear(nn.Module):
             )
         bias = None if self.skip_bias_add else self.bias
         deferring = self.deferring_wgrad(weight)
-        if (self.sequence_parallel or deferring) and weight.requires_grad:
+        # An expert layer under expert (tensor) parallelism: the token dispatcher has already gathered
+        # its input and reduces its input gradient, so no tensor-parallel collective runs here.
+        sequence_parallel = self.sequence_parallel and not self.explicit_expert_comm
+        no_reduce = self.disable_grad_reduce or self.explicit_expert_comm
+        if (sequence_parallel or deferring) and weight.requires_grad:
             input_parallel = input_
-            if not (self.sequence_parallel or self.disable_grad_reduce):
+            if not (sequence_parallel or no_reduce):
                 input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
             if deferring and defers_wgrad(self.embedding_activation_buffer, self.config.wgrad_deferral_limit):
                 # Its values only: the tensor itself would keep this microbatch's graph, and with it the
@@ -257,20 +283,20 @@ class ColumnParallelLinear(nn.Module):
                 weight,
                 bias,
                 self.tp_group,
-                self.sequence_parallel,
+                sequence_parallel,
                 self.grad_output_buffer if deferring else None,
                 self.config.wgrad_deferral_limit,
             )
         elif weight.requires_grad:
-            if self.disable_grad_reduce:
+            if no_reduce:
                 input_parallel = input_
             else:
                 input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
             output = F.linear(input_parallel, weight, bias)
         else:
-            if self.sequence_parallel:
+            if sequence_parallel:
                 input_parallel = gather_from_sequence_parallel_region(input_, group=self.tp_group)
-            elif self.disable_grad_reduce:
+            elif no_reduce:
                 input_parallel = input_
             else:
                 input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
@@ -296,7 +322,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = XA + b with A split by rows: rank r holds A[r]; partial outputs are all-reduced over
     ``tp_group`` (collective) and the whole, duplicated bias is added after. Returns
-    ``(output, output_bias)`` as ColumnParallelLinear."""
+    ``(output, output_bias)`` as ColumnParallelLinear. ``is_expert`` as ColumnParallelLinear; under
+    explicit expert communication the partial output is returned unreduced (``skip_bias_add``)."""
 
     def __init__(
         self,
@@ -318,7 +345,7 @@ class RowParallelLinear(nn.Module):
     ):
         super().__init__()
         _refuse_unsupported(
-            config, "RowParallelLinear", is_expert, keep_master_weight_for_test=keep_master_weight_for_test
+            config, "RowParallelLinear", keep_master_weight_for_test=keep_master_weight_for_test
         )
         if config.sequence_parallel and not input_is_parallel:
             raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
@@ -329,18 +356,18 @@ class RowParallelLinear(nn.Module):
             is_expert,
         )
         self.sequence_parallel = config.sequence_parallel
-        if tp_group is None and pg_collection is not None:
-            tp_group = pg_collection.tp
-        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        self.tp_group = _tp_group(tp_group, pg_collection, is_expert)
+        self.explicit_expert_comm, use_expert_pgs = _expert_topology(config, is_expert, self.tp_group)
         rank, world = get_pg_rank(self.tp_group), get_pg_size(self.tp_group)
         self.input_size_per_partition = divide(input_size, world)
         shape = (output_size, self.input_size_per_partition)
         self.weight = _new_parameter(shape, config, init_method, 1, rank, world, stride)
+        self.weight.allreduce = not use_expert_pgs
         if bias:
             self.bias = nn.Parameter(
                 torch.zeros(output_size, dtype=config.params_dtype, device=_device(config))
             )
-            self.bias.allreduce = True
+            self.bias.allreduce = not use_expert_pgs
             self.bias.sequence_parallel = config.sequence_parallel
         else:
             self.register_parameter("bias", None)
@@ -349,7 +376,11 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         partial = F.linear(input_, self.weight)
-        if self.sequence_parallel:
+        if self.explicit_expert_comm:
+            # The token dispatcher reduces the partial outputs (and adds the bias after it).
+            assert self.skip_bias_add, "an expert RowParallelLinear returns its bias (skip_bias_add)"
+            output = partial
+        elif self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)
         else:
             output = reduce_from_tensor_model_parallel_region(partial, self.tp_group)

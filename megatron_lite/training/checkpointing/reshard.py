@@ -53,11 +53,13 @@ def split_differs(saved_config: dict | None, model_cfg) -> bool:
 
 def read_saved_config(root: str, iteration: int) -> dict:
     """The saving run's config (``plain(ConfigContainer)``): a ``torch_dist`` checkpoint's
-    ``common.pt``, else the first stage's first TP shard (mapped, so its tensors are not read)."""
+    ``common.pt``, else the first stage's first TP (and expert-parallel) shard (mapped, so its tensors
+    are not read)."""
     if is_distributed_checkpoint(root, iteration):
         return read_common(root, iteration)["config"]
     layout = read_metadata(root, iteration)
-    path = get_checkpoint_name(root, iteration, 0, 0, layout.get("pipeline_model_parallel_size", 1))
+    pp, ep = layout.get("pipeline_model_parallel_size", 1), layout.get("expert_model_parallel_size", 1)
+    path = get_checkpoint_name(root, iteration, 0, 0, pp, 0, ep)
     if not os.path.exists(path):
         shard = os.path.relpath(path, root)
         raise CheckpointError(

@@ -206,9 +206,11 @@ def load_distributed(state, model, optimizer, scheduler, root: str, iteration: i
     agree(error)
     if dist.get_rank() == 0 and saved != now:
         before = describe_layout(saved_tp, saved_split(common["config"]))
+        after = describe_layout(model_cfg.tensor_model_parallel_size, model_cfg)
+        experts = any("expert_model_parallel_size" in layout for layout in (saved, now))
         print(
-            f" resharding checkpoint from {before} dp={saved['data_parallel_size']} to "
-            f"{describe_layout(model_cfg.tensor_model_parallel_size, model_cfg)} dp={now['data_parallel_size']}",
+            f" resharding checkpoint from {before} dp={saved['data_parallel_size']}{_experts(saved, experts)} to "
+            f"{after} dp={now['data_parallel_size']}{_experts(now, experts)}",
             flush=True,
         )
     read_pieces(pieces, metadata, root, iteration)
@@ -223,6 +225,15 @@ def load_distributed(state, model, optimizer, scheduler, root: str, iteration: i
         optimizer.reload_model_params(None)  # fp32 main parameters from the weights just read
     if finetune:
         scheduler.step(0)
+
+
+def _experts(layout: dict, shown: bool) -> str:
+    """`` ep=2 etp=1`` where either layout records expert sizes (one that does not: ep 1, expert TP
+    its TP)."""
+    if not shown:
+        return ""
+    ep = layout.get("expert_model_parallel_size", 1)
+    return f" ep={ep} etp={layout.get('expert_tensor_parallel_size', layout['tensor_model_parallel_size'])}"
 
 
 def _restore_rng(rngs: list, same_layout: bool, seed: int) -> None:

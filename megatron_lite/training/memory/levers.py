@@ -1,11 +1,15 @@
 """The memory levers the preflight may pull, and what each costs: sequence parallelism, the
 distributed optimizer, recompute (selective, or full over 1..N layers per chunk), moving layers from
-the first stage to the last, deferring one microbatch's output-layer wgrad, and a deeper pipeline.
-``candidate_changes`` lists every combination this layout can still pull, cheapest first."""
+the first stage to the last, deferring one microbatch's output-layer wgrad, a deeper pipeline and, for
+MoE models, a larger expert-parallel size and a capacity factor.
+``candidate_changes`` lists every combination this layout can still pull, cheapest first: every
+combination that keeps all tokens before any that drops some (a capacity factor), and within each by
+the extra step time."""
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
@@ -13,18 +17,26 @@ from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_c
 
 @dataclass(frozen=True)
 class Change:
-    """A set of flags and its rough price in extra step time (a fraction: 0.25 = 25% slower)."""
+    """A set of flags and its rough price in extra step time (a fraction: 0.25 = 25% slower) and in
+    model quality (``quality``: 0 keeps every token; more drops more of them)."""
 
     flags: tuple[str, ...]
     cost: float
     why: str
+    quality: int = 0
 
 
-def _recompute_changes(layers_per_chunk: int) -> list[Change]:
-    # Selective recompute re-runs only core attention; full recompute of N of a chunk's layers re-runs
-    # their forward in backward (a forward is about a third of a step).
-    changes = [Change(("--recompute-granularity", "selective"), 0.03, "recompute core attention")]
-    for n in range(1, layers_per_chunk + 1):
+def _recompute_changes(m, layers_per_chunk: int) -> list[Change]:
+    """Selective recompute re-runs only core attention; full recompute of N of a chunk's layers re-runs
+    their forward in backward (a forward is about a third of a step). Block recompute already on
+    offers more of a chunk's layers at the price of the extra ones."""
+    if m.recompute_granularity == "full" and m.recompute_method != "block":
+        return []
+    done = m.recompute_num_layers if m.recompute_granularity == "full" else 0
+    changes = []
+    if m.recompute_granularity is None:
+        changes.append(Change(("--recompute-granularity", "selective"), 0.03, "recompute core attention"))
+    for n in range(done + 1, layers_per_chunk + 1):
         flags = (
             "--recompute-granularity",
             "full",
@@ -33,7 +45,8 @@ def _recompute_changes(layers_per_chunk: int) -> list[Change]:
             "--recompute-num-layers",
             str(n),
         )
-        changes.append(Change(flags, 0.33 * n / layers_per_chunk, f"recompute {n} layer(s) per chunk"))
+        cost = 0.33 * (n - done) / layers_per_chunk
+        changes.append(Change(flags, cost, f"recompute {n} layer(s) per chunk"))
     return changes
 
 
@@ -64,6 +77,51 @@ def _split_changes(m) -> list[Change]:
     return changes
 
 
+def _expert_parallel_changes(config) -> list[Change]:
+    """A larger --expert-model-parallel-size: fewer experts per rank, so their weights, gradients and
+    (without the distributed optimizer) optimizer state shrink; the worst routing's rows per rank grow
+    (more ranks may send every token here). Only sizes that divide the experts and whose etp x ep
+    groups tile a stage's tp x cp x dp ranks (the same world: EP ranks come out of the DP ranks)."""
+    m = config.model
+    if not m.num_moe_experts:
+        return []
+    ep, experts = m.expert_model_parallel_size, m.num_moe_experts
+    etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
+    per_stage = m.tensor_model_parallel_size * m.context_parallel_size * config.data_parallel_size
+    # A wider all-to-all (across nodes, sooner) and smaller expert GEMMs: 5% per doubling, roughly.
+    return [
+        Change(
+            ("--expert-model-parallel-size", str(new)),
+            0.05 * math.log2(new / ep),
+            f"expert parallel {new}: {experts // new} expert(s) per rank",
+        )
+        for new in range(ep + 1, experts + 1)
+        if experts % new == 0 and per_stage % (etp * new) == 0
+    ]
+
+
+# Largest first: the least dropping is tried first.
+CAPACITY_FACTORS = (1.5, 1.25, 1.0)
+
+
+def _capacity_changes(m) -> list[Change]:
+    """--moe-expert-capacity-factor with padding: every expert takes exactly its capacity of each
+    rank's tokens, so the routed rows are fixed, whatever the routing. It drops the tokens routed past
+    an expert's capacity (a cost in model quality, not time: the padded rows cost about what the
+    busiest expert of skewed routing does), so it ranks after every change that keeps them all."""
+    if not m.num_moe_experts or m.moe_expert_capacity_factor is not None:
+        return []
+    return [
+        Change(
+            ("--moe-expert-capacity-factor", str(cf), "--moe-pad-expert-input-to-capacity"),
+            0.0,
+            f"capacity factor {cf}, padded: each expert takes {cf}x its balanced share of a rank's tokens",
+            quality=rank,
+        )
+        for rank, cf in enumerate(CAPACITY_FACTORS, 1)
+    ]
+
+
 def candidate_changes(config) -> list[Change]:
     """Every combination of the levers this layout can still pull, cheapest first."""
     m = config.model
@@ -83,11 +141,7 @@ def candidate_changes(config) -> list[Change]:
         if distributed
         else [None, Change(("--use-distributed-optimizer",), 0.01, "optimizer state sharded over dp")]
     )
-    recompute = [None] + (
-        []
-        if m.recompute_granularity == "full"
-        else _recompute_changes(max(map(max, pipeline_layer_counts(m))))
-    )
+    recompute = [None, *_recompute_changes(m, max(map(max, pipeline_layer_counts(m))))]
     # The last stage's deferred output-layer wgrad buffers: keep one microbatch's, not all of them.
     deferral = [None]
     if m.defer_embedding_wgrad_compute and m.wgrad_deferral_limit != 1:
@@ -111,11 +165,14 @@ def candidate_changes(config) -> list[Change]:
     ]
     # Moving layers is a lever of this depth only: a deeper pipeline gets the split as given.
     split = [(None, None)] + [(c, None) for c in _split_changes(m)] + [(None, c) for c in deeper[1:]]
+    expert = [None, *_expert_parallel_changes(config)]
+    capacity = [None, *_capacity_changes(m)]
     combos = []
-    for parts in itertools.product(deferral, sp, distopt, recompute, split):
-        parts = [*parts[:-1], *parts[-1]]
+    for parts in itertools.product(deferral, sp, distopt, expert, recompute, split, capacity):
+        parts = [*parts[:-2], *parts[-2], parts[-1]]
         chosen = [c for c in parts if c is not None]
         if chosen:
             flags = tuple(f for c in chosen for f in c.flags)
-            combos.append(Change(flags, sum(c.cost for c in chosen), "; ".join(c.why for c in chosen)))
-    return sorted(combos, key=lambda c: (c.cost, len(c.flags)))
+            why = "; ".join(c.why for c in chosen)
+            combos.append(Change(flags, sum(c.cost for c in chosen), why, sum(c.quality for c in chosen)))
+    return sorted(combos, key=lambda c: (c.quality, c.cost, len(c.flags)))

@@ -15,6 +15,11 @@ counts every tensor the step allocates, temporaries included (the same figure as
 no tensor shows: the CUDA context and kernels (0.5-1 GB), NCCL's communication buffers (hundreds of MB
 per communicator), and the caching allocator's block rounding and fragmentation (``mem-max-reserved``
 over ``mem-max-allocated``, typically a few percent, more with varying shapes).
+
+A MoE model whose routed rows are open (no capacity factor with padding) is judged on the worst
+routing's bound, with balanced routing's figures beside: balanced routing holds only while load
+balancing does, and a job that fits only under it runs out once routing skews (Megatron-LM issue
+#1445, "OOMs after a few hundred steps"). The lever search judges every candidate the same way.
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ from megatron_lite.training.config.ranges import RANGES, check_value
 from megatron_lite.training.errors import ConfigError
 from megatron_lite.training.memory.dry_run import DryRunError, dry_run_stages
 from megatron_lite.training.memory.levers import candidate_changes
+from megatron_lite.training.memory.predict.moe import judged_routing
+from megatron_lite.training.memory.table import format_preflight_table, preflight_activation_bytes
 from megatron_lite.utils.atomic_io import WriteFailedError, atomic_write_bytes
 
 RESERVE_FRACTION = 0.10
+ROUTING_NOTES = {"worst": ", worst routing", "exact": ", rows fixed by the padded capacity"}
 PREFLIGHT_FLAGS = ("--memory-preflight", "--device-memory-gb", "--memory-preflight-json", "--memory-dry-run")
 
 
@@ -60,65 +68,49 @@ def _peaks(predictions, dry=None) -> list[int]:
     return [max(p.peak_bytes, d.max_allocated_bytes) for p, d in zip(predictions, dry)]
 
 
-def format_table(predictions, capacity_gb: float, dry=None) -> str:
-    """Per stage, in GB (3 significant digits): the static parts, the saved activations and the
-    temporaries at the predicted peak, the peak, the device's headroom above it, and with ``dry``
-    (the dry run's StageDryRun list) the dry run's measured peak and its difference from the prediction."""
-    from megatron_lite.training.memory.table import three_digits
+def _predict(config):
+    """(the predictions the verdict judges, balanced routing's beside them or None): a MoE model whose
+    routed rows are open is judged on its worst routing (predict/moe.py's ``judged_routing``)."""
+    from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 
-    columns = ("weights", "grads", "optim", "act", "temp", "peak", "headroom") + (
-        ("dry run", "diff%") if dry else ()
-    )
-    title = "   (GB; predicted" + ("; dry run: measured on fake tensors)" if dry else ")")
-    rows = [f"{'stage':>5}" + "".join(f"{c:>9}" for c in columns) + title]
-    for i, p in enumerate(predictions):
-        act = p.peak_bytes - p.weights_bytes - p.grads_bytes - p.optimizer_state_bytes - p.temporaries_bytes
-        values = (
-            p.weights_bytes,
-            p.grads_bytes,
-            p.optimizer_state_bytes,
-            act,
-            p.temporaries_bytes,
-            p.peak_bytes,
-        )
-        cells = [three_digits(_gb(v)) for v in values] + [three_digits(capacity_gb - _gb(p.peak_bytes))]
-        if dry:
-            measured = dry[i].max_allocated_bytes
-            cells += [three_digits(_gb(measured)), f"{100 * (p.peak_bytes / measured - 1):+.1f}"]
-        rows.append(f"{i:>5}" + "".join(f"{c:>9}" for c in cells))
-    return "\n".join(rows)
-
-
-def _activation_bytes(p) -> int:
-    """What the table's ``act`` column shows: the peak less the static parts and the temporaries."""
-    return p.peak_bytes - p.weights_bytes - p.grads_bytes - p.optimizer_state_bytes - p.temporaries_bytes
+    if judged_routing(config.model) != "worst":
+        return predict_memory_per_stage(config, device_type="cuda"), None
+    worst = predict_memory_per_stage(config, device_type="cuda", routing="worst")
+    return worst, predict_memory_per_stage(config, device_type="cuda", routing="balanced")
 
 
 def _recommend(argv: list[str], config, capacity_gb: float, margin: float = 1.0):
-    """The cheapest change that makes every stage fit, with the predictions under it; (None, None)
-    when no combination of the levers does. ``margin``: how much more than predicted the dry run
-    measured (at least 1), which a candidate's predictions must leave room for."""
-    from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
-
+    """The cheapest change that makes every stage fit, with the predictions and the config under it;
+    (None, None, None) when no combination of the levers does. ``margin``: how much more than
+    predicted the dry run measured (at least 1), which a candidate's predictions must leave room for."""
     usable = capacity_gb * (1 - RESERVE_FRACTION)
     for change in candidate_changes(config):
         try:
             candidate = _config([*argv, *change.flags])
         except (ConfigError, ValueError, AssertionError):
             continue
-        after = predict_memory_per_stage(candidate, device_type="cuda")
+        after, _ = _predict(candidate)  # a MoE candidate judged as the job is: its worst routing
         if all(_gb(p.peak_bytes * margin) <= usable for p in after):
-            return change, after
-    return None, None
+            return change, after, candidate
+    return None, None, None
 
 
 def preflight_record(
-    predictions, capacity_gb: float, fits: bool, recommendation: str | None, dry=None, confirmed=None
+    predictions,
+    capacity_gb: float,
+    fits: bool,
+    recommendation: str | None,
+    dry=None,
+    confirmed=None,
+    balanced=None,
+    moe_routing: str | None = None,
 ) -> dict:
     """The preflight as data (``--memory-preflight-json``): per stage the predicted allocated peak and
     its parts, in bytes, and with ``dry`` the dry run's measured peak; the device; the verdict; the
     flags to add ("" when it fits as given, None when no combination of the levers fits) and, when
-    the dry run measured them, whether they fit (``recommendation_confirmed``)."""
+    the dry run measured them, whether they fit (``recommendation_confirmed``). A MoE model's
+    ``moe_routing`` says what the figures are: "worst" (the worst routing's bound, judged; balanced
+    routing's peak and activations beside, ``*_balanced``) or "exact" (padded to capacity)."""
     stages = [
         {
             "stage": i,
@@ -127,13 +119,22 @@ def preflight_record(
             "weights_bytes": p.weights_bytes,
             "grads_bytes": p.grads_bytes,
             "optimizer_bytes": p.optimizer_state_bytes,
-            "activations_bytes": _activation_bytes(p),
+            "activations_bytes": preflight_activation_bytes(p),
             "temporaries_bytes": p.temporaries_bytes,
+            **(
+                {
+                    "predicted_max_allocated_bytes_balanced": balanced[i].peak_bytes,
+                    "activations_bytes_balanced": preflight_activation_bytes(balanced[i]),
+                }
+                if balanced
+                else {}
+            ),
         }
         for i, p in enumerate(predictions)
     ]
     return {
         "stages": stages,
+        **({} if moe_routing is None else {"moe_routing": moe_routing}),
         "device_bytes": int(capacity_gb * 1e9),
         "reserve_fraction": RESERVE_FRACTION,
         "fits": fits,
@@ -142,22 +143,48 @@ def preflight_record(
     }
 
 
-def _verdict(predictions, capacity_gb: float, dry, out) -> list[bool]:
+def _verdict(predictions, capacity_gb: float, dry, out, balanced=None) -> list[bool]:
     fits, peaks = _fits(predictions, capacity_gb, dry), _peaks(predictions, dry)
     usable = capacity_gb * (1 - RESERVE_FRACTION)
     which = "predicted or dry run, the larger" if dry else "predicted"
+    routing = " under worst routing" if balanced else ""
+
+    def beside(i: int) -> str:  # balanced routing's figure beside the judged one
+        return f"; {_gb(balanced[i].peak_bytes):.2f} GB under balanced routing" if balanced else ""
+
     if all(fits):
         peak = max(range(len(peaks)), key=lambda i: peaks[i])
-        print(f" verdict: fits; the peak is stage {peak}'s {_gb(peaks[peak]):.2f} GB ({which})", file=out)
+        print(
+            f" verdict: fits{routing}; the peak is stage {peak}'s {_gb(peaks[peak]):.2f} GB ({which}{beside(peak)})",
+            file=out,
+        )
     else:
         failing = [i for i, ok in enumerate(fits) if not ok]
         first = max(failing, key=lambda i: (peaks[i], -i))
         print(
-            f" verdict: does not fit: stage {first} runs out first ({which} {_gb(peaks[first]):.2f} GB > "
-            f"{usable:g} GB); stages that do not fit: {', '.join(map(str, failing))}",
+            f" verdict: does not fit{routing}: stage {first} runs out first ({which} {_gb(peaks[first]):.2f} GB > "
+            f"{usable:g} GB{beside(first)}); stages that do not fit: {', '.join(map(str, failing))}",
             file=out,
         )
     return fits
+
+
+def _report_change(change, after, candidate, out) -> None:
+    """The recommendation line: the flags, why, their price and the predicted peak with them."""
+    peak = max(range(len(after)), key=lambda i: after[i].peak_bytes)
+    routing = judged_routing(candidate.model)
+    quality = (
+        "; it drops the tokens routed past an expert's capacity, a cost in model quality: tried only "
+        "after every change that keeps all tokens"
+        if change.quality
+        else ""
+    )
+    print(
+        f" cheapest change that fits every stage: {' '.join(change.flags)}  ({change.why}; about "
+        f"{change.cost:.0%} more time per step{quality}; predicted peak {_gb(after[peak].peak_bytes):.2f} GB "
+        f"on stage {peak}{ROUTING_NOTES.get(routing, '')})",
+        file=out,
+    )
 
 
 def preflight(
@@ -166,32 +193,39 @@ def preflight(
     """Print the prediction and verdict for ``argv`` (pretrain.py's flags without the preflight's);
     with ``dry_run``, also each stage's dry run (dry_run.py), and confirm the recommended change with
     one; with ``json_path``, also write them there (atomically)."""
-    from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
-
     config = _config(argv)
     m = config.model
-    predictions = predict_memory_per_stage(config, device_type="cuda")
+    predictions, balanced = _predict(config)
     layout = (
         f"tp {m.tensor_model_parallel_size} x pp {m.pipeline_model_parallel_size} x cp "
         f"{m.context_parallel_size} x dp {config.data_parallel_size}, vp "
         f"{m.virtual_pipeline_model_parallel_size or 1}, {config.num_microbatches} microbatches of "
         f"{config.train.micro_batch_size}"
     )
+    if m.num_moe_experts:
+        layout += f"; {m.num_moe_experts} experts, ep {m.expert_model_parallel_size}"
     dry = dry_run_stages(config, "cuda", out, "the job as given") if dry_run else None
     how = "predicted, and measured by the dry run" if dry else "a prediction: no world built, nothing trained"
     print(f" memory preflight ({layout}; {how})", file=out)
-    print(format_table(predictions, capacity_gb, dry), file=out)
+    print(format_preflight_table(predictions, capacity_gb, dry, balanced), file=out)
     usable = capacity_gb * (1 - RESERVE_FRACTION)
     print(
         f" device: {capacity_gb:g} GB, of which {usable:g} GB for the predicted tensors "
         f"({RESERVE_FRACTION:.0%} kept for the CUDA context, NCCL buffers, the allocator's rounding and fragmentation)",
         file=out,
     )
-    fits = _verdict(predictions, capacity_gb, dry, out)
+    if balanced:
+        print(
+            " MoE routing is open (no --moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity): "
+            "judged on the worst routing's bound, every token of the expert group sent to this rank's experts; "
+            "a job that fits only under balanced routing runs out once routing skews",
+            file=out,
+        )
+    fits = _verdict(predictions, capacity_gb, dry, out, balanced)
     recommendation, confirmed = ("" if all(fits) else None), None
     if not all(fits):
         margin = max([1.0] + [d.max_allocated_bytes / p.peak_bytes for p, d in zip(predictions, dry or [])])
-        change, after = _recommend(argv, config, capacity_gb, margin)
+        change, after, candidate = _recommend(argv, config, capacity_gb, margin)
         if change is None:
             print(
                 " no combination of the memory levers makes every stage fit: a smaller micro-batch or model",
@@ -199,17 +233,9 @@ def preflight(
             )
         else:
             recommendation = " ".join(change.flags)
-            peak = max(range(len(after)), key=lambda i: after[i].peak_bytes)
-            print(
-                f" cheapest change that fits every stage: {recommendation}  ({change.why}; about "
-                f"{change.cost:.0%} more time per step; predicted peak {_gb(after[peak].peak_bytes):.2f} GB "
-                f"on stage {peak})",
-                file=out,
-            )
+            _report_change(change, after, candidate, out)
             if dry_run:  # the lever search's answer, measured
-                measured = dry_run_stages(
-                    _config([*argv, *change.flags]), "cuda", out, "the job with the change"
-                )
+                measured = dry_run_stages(candidate, "cuda", out, "the job with the change")
                 confirmed = all(_fits(after, capacity_gb, measured))
                 top = max(measured, key=lambda d: d.max_allocated_bytes)
                 print(
@@ -218,7 +244,9 @@ def preflight(
                     file=out,
                 )
     if json_path is not None:
-        record = preflight_record(predictions, capacity_gb, all(fits), recommendation, dry, confirmed)
+        record = preflight_record(
+            predictions, capacity_gb, all(fits), recommendation, dry, confirmed, balanced, judged_routing(m)
+        )
         text = (json.dumps(record, indent=2) + "\n").encode()
         atomic_write_bytes(json_path, lambda f: f.write(text), needed=len(text))
         print(f" wrote {json_path}", file=out)

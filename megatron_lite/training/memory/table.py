@@ -1,7 +1,8 @@
-"""The end-of-run memory table: each stage's measured parts and allocated peak beside its prediction.
+"""The memory tables per pipeline stage: the end-of-run one (each stage's measured parts and allocated
+peak beside its prediction) and the preflight's (the predicted parts, peak and headroom on a device).
 
-Short column names in one unit chosen for the sizes (MiB below a GiB, else GiB), 3 significant digits,
-so the table fits 120 columns; the dashboards keep the full tag names.
+Short column names in one unit chosen for the sizes (MiB below a GiB, else GiB; the preflight's in GB),
+3 significant digits, so the table fits 120 columns; the dashboards keep the full tag names.
 """
 
 from __future__ import annotations
@@ -60,6 +61,42 @@ def format_memory_table(stages: list[dict], peak_bytes_predicted: list[int], rss
         " pred: predicted)"
     )
     return "\n".join([title, *rows])
+
+
+def format_preflight_table(predictions, capacity_gb: float, dry=None, balanced=None) -> str:
+    """Per stage, in GB (3 significant digits): the static parts, the saved activations and the
+    temporaries at the predicted peak, the peak, the device's headroom above it; with ``dry`` (the dry
+    run's StageDryRun list) the dry run's measured peak and its difference from the prediction; with
+    ``balanced`` (a MoE model's predictions under balanced routing, when ``predictions`` are the
+    worst routing's) balanced routing's peak."""
+    columns = ("weights", "grads", "optim", "act", "temp", "peak", "headroom")
+    columns += ("dry run", "diff%") if dry else ()
+    columns += ("balanced",) if balanced else ()
+    title = "   (GB; predicted" + ("; dry run: measured on fake tensors" if dry else "")
+    title += "; MoE: worst routing, balanced routing's peak beside)" if balanced else ")"
+    rows = [f"{'stage':>5}" + "".join(f"{c:>9}" for c in columns) + title]
+    for i, p in enumerate(predictions):
+        values = (
+            p.weights_bytes,
+            p.grads_bytes,
+            p.optimizer_state_bytes,
+            preflight_activation_bytes(p),
+            p.temporaries_bytes,
+            p.peak_bytes,
+        )
+        cells = [three_digits(v / 1e9) for v in values] + [three_digits(capacity_gb - p.peak_bytes / 1e9)]
+        if dry:
+            measured = dry[i].max_allocated_bytes
+            cells += [three_digits(measured / 1e9), f"{100 * (p.peak_bytes / measured - 1):+.1f}"]
+        if balanced:
+            cells.append(three_digits(balanced[i].peak_bytes / 1e9))
+        rows.append(f"{i:>5}" + "".join(f"{c:>9}" for c in cells))
+    return "\n".join(rows)
+
+
+def preflight_activation_bytes(p) -> int:
+    """What the preflight's ``act`` column shows: the peak less the static parts and the temporaries."""
+    return p.peak_bytes - p.weights_bytes - p.grads_bytes - p.optimizer_state_bytes - p.temporaries_bytes
 
 
 def print_memory_table(config: ConfigContainer, pg_collection) -> None:

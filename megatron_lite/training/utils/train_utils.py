@@ -14,6 +14,7 @@ import torch
 import torch.distributed
 
 from megatron_lite.core.num_microbatches_calculator import get_num_microbatches
+from megatron_lite.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron_lite.core.utils import get_collective_device
 from megatron_lite.training.forward_step_func_types import (
     maybe_inject_state,
@@ -47,6 +48,7 @@ from megatron_lite.training.utils.interval_log import (
     timer_names,
 )
 from megatron_lite.training.utils.metrics_writer import MetricsWriter
+from megatron_lite.training.utils.moe_metrics import upstream_moe_logging
 from megatron_lite.utils.common_utils import (
     get_world_size_safe,
     print_rank_0,
@@ -116,13 +118,12 @@ def param_is_not_shared(param: torch.nn.Parameter) -> bool:
 
 def param_is_not_tensor_parallel_duplicate(param, tp_group=None, expert_tp_group=None) -> bool:
     """True for a parameter that counts once across tensor-parallel ranks: a TP shard, or a replicated
-    parameter on TP rank 0 (of ``expert_tp_group`` for expert parameters, which we do not have)."""
+    parameter on rank 0 of ``tp_group`` (of ``expert_tp_group`` for an expert parameter, one marked
+    ``allreduce=False``). A missing group means no tensor parallelism."""
     if getattr(param, "tensor_model_parallel", False):
         return True
     group = expert_tp_group if not getattr(param, "allreduce", True) else tp_group
-    if group is None or not torch.distributed.is_initialized():
-        return True
-    return torch.distributed.get_rank(group) == 0
+    return group is None or group.rank() == 0
 
 
 def get_data_parallel_group_if_dtensor(param, data_parallel_group=None):
@@ -140,39 +141,74 @@ def calc_params_l2_norm(
 ):
     """L2 norm of all parameters of ``model`` (a module or list of chunks) over every rank.
 
-    Each parameter counts once: shared ones (``param.shared``) and tensor-parallel duplicates are
-    skipped; with bf16 the fp32 master copy (``param.main_param``) is used when present, unless
-    ``force_create_fp32_copy``. Collective: the squared norm is summed over the model-parallel group.
-    Megatron FSDP is a feature we do not have.
+    Each parameter counts once: shared ones (``param.shared``) and tensor-parallel duplicates (over the
+    expert TP group for expert parameters) are skipped; with bf16 the fp32 master copy
+    (``param.main_param``) is used when present, unless ``force_create_fp32_copy``. Four squared sums,
+    as upstream: dense and expert (``allreduce=False``) parameters, each whole or as the distributed
+    optimizer's shard (``main_param_sharded``), the shards summed over data parallelism (``dp_cp``,
+    ``expt_dp``). Then dense over the model-parallel group and expert over ``tp_ep_pp``. Collective
+    over all four groups on every rank, with or without expert parameters. Megatron FSDP is a feature
+    we do not have.
     """
     if use_megatron_fsdp:
         raise NotImplementedError("Megatron FSDP is not supported by megatron_lite")
     chunks = model if isinstance(model, list) else [model]
-    pg_collection = get_pg_collection(chunks)
-    tensors, dp_group = [], None
+    pg = get_pg_collection(chunks)
+    # (expert, sharded) -> tensors
+    groups: dict[tuple[bool, bool], list] = {(e, s): [] for e in (False, True) for s in (False, True)}
+    dp_group = None
     for chunk in chunks:
         for param in chunk.parameters():
             dp_group = get_data_parallel_group_if_dtensor(param, dp_group)
-            if not param_is_not_tensor_parallel_duplicate(
-                param, tp_group=pg_collection.tp, expert_tp_group=pg_collection.expt_tp
-            ):
+            expert = not getattr(param, "allreduce", True)
+            if not param_is_not_tensor_parallel_duplicate(param, tp_group=pg.tp, expert_tp_group=pg.expt_tp):
                 continue
-            if not param_is_not_shared(param):
+            if expert:
+                assert param_is_not_shared(param), "an expert parameter cannot be shared"
+            elif not param_is_not_shared(param):
                 continue
             param = to_local_if_dtensor(param)
-            main = getattr(param, "main_param", None) if not force_create_fp32_copy else None
-            if model_config.bf16:
-                tensors.append(main if main is not None else param.data.float())
+            if not model_config.bf16:
+                groups[expert, False].append(param.data)
+            elif force_create_fp32_copy or not hasattr(param, "main_param"):
+                groups[expert, False].append(param.data.float())
+            elif getattr(param, "main_param_sharded", False):
+                if param.main_param is not None:  # an empty shard on this rank
+                    groups[expert, True].append(param.main_param)
             else:
-                tensors.append(param.data)
-    device = tensors[0].device if tensors else get_collective_device(pg_collection.mp)
-    norm_2 = torch.zeros(1, dtype=torch.float32, device=device)
-    for t in tensors:
-        norm_2 += t.detach().float().pow(2).sum()
+                groups[expert, False].append(
+                    param.main_param if param.main_param is not None else param.data.float()
+                )
+    device = next((t.device for ts in groups.values() for t in ts), get_collective_device(pg.mp))
+
+    def squared(tensors) -> torch.Tensor:
+        total = torch.zeros(1, dtype=torch.float32, device=device)
+        for t in tensors:
+            total += t.detach().float().pow(2).sum()
+        return total
+
+    sum_ = torch.distributed.ReduceOp.SUM
+    norm_2 = squared(groups[False, False])
     if dp_group is not None:
-        torch.distributed.all_reduce(norm_2, op=torch.distributed.ReduceOp.SUM, group=dp_group)
-    torch.distributed.all_reduce(norm_2, op=torch.distributed.ReduceOp.SUM, group=pg_collection.mp)
-    return norm_2.item() ** 0.5
+        torch.distributed.all_reduce(norm_2, op=sum_, group=dp_group)
+    sharded_2 = squared(groups[False, True])
+    torch.distributed.all_reduce(sharded_2, op=sum_, group=pg.dp_cp)
+    norm_2 += sharded_2
+    # Every rank reduces the expert sums, with or without expert parameters (uneven MoE layers).
+    moe_norm_2 = squared(groups[True, False])
+    sharded_moe_2 = squared(groups[True, True])
+    torch.distributed.all_reduce(sharded_moe_2, op=sum_, group=pg.expt_dp)
+    moe_norm_2 += sharded_moe_2
+    if torch.distributed.get_process_group_ranks(pg.mp) == torch.distributed.get_process_group_ranks(
+        pg.tp_ep_pp
+    ):
+        norm_2 += moe_norm_2
+        torch.distributed.all_reduce(norm_2, op=sum_, group=pg.mp)
+    else:
+        torch.distributed.all_reduce(norm_2, op=sum_, group=pg.mp)
+        torch.distributed.all_reduce(moe_norm_2, op=sum_, group=pg.tp_ep_pp)
+        norm_2 += moe_norm_2
+    return norm_2.item() ** 0.5  # note: a CPU-GPU sync point
 
 
 def report_l2_norm_grad(model) -> dict:
@@ -274,7 +310,8 @@ def training_log(
     the caller already reduced them over the pipeline (our loop does); None computes them here.
     ``pg_collection`` defaults to the model's. Returns False once memory was reported after the
     second iteration since ``loaded_iteration`` (so it includes the optimizer state). ``moe_report``:
-    this step's MoE scalars and console text (training/utils/moe_metrics.py), already reduced.
+    this step's MoE scalars and console text (training/utils/moe_metrics.py), already reduced; None
+    for a MoE model calls upstream's track_moe_metrics here (the auxiliary losses only).
     """
     lg, train_config, timers, train_state = (
         config.logger,
@@ -309,6 +346,22 @@ def training_log(
             per_stage=False,
             report_fn=report_memory,
             reduce_fn=reduce_max_memory_across_pp_group,
+        )
+
+    # MoE: collective on every rank, every iteration. The loop passes its own report (with the
+    # token counts); a caller of upstream's kind gets upstream's track_moe_metrics.
+    if moe_report is None and getattr(config.model, "num_moe_experts", None) is not None:
+        moe_report = (
+            {},
+            upstream_moe_logging(
+                track_moe_metrics,
+                config,
+                iteration,
+                writer,
+                total_loss_dict,
+                pg_collection,
+                get_num_microbatches(),
+            ),
         )
 
     if loggers_exist and tb_step:

@@ -22,7 +22,7 @@ from torch import nn
 
 from megatron_lite.core.tensor_parallel.utils import init_partition_, set_tensor_model_parallel_attributes
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-from megatron_lite.core.utils import seeded_init
+from megatron_lite.core.utils import fake_world_backend, seeded_init
 
 
 def expert_parameter(shape, config, init_method, partition_dim, etp_rank, etp_size, stride=1) -> nn.Parameter:
@@ -81,20 +81,61 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     )
 
 
+def _grouped(*tensors: torch.Tensor) -> bool:
+    """Whether one grouped GEMM can take these: on the CPU any float; CUDA's kernels take bf16 (other
+    dtypes there loop over the experts)."""
+    x = tensors[0]
+    # The preflight's dry run of a GPU job runs on the CPU's fake tensors: it takes CUDA's path.
+    device = "cuda" if fake_world_backend() == "nccl" else x.device.type
+    device_ok = device == "cpu" or (device == "cuda" and x.dtype == torch.bfloat16)
+    return device_ok and _aligned(*tensors)
+
+
+def _offsets(rows: list[int], device) -> torch.Tensor:
+    return torch.tensor(rows, device=device).cumsum(0).to(torch.int32)
+
+
+class GroupedLinear(torch.autograd.Function):
+    """``x`` (rows sorted by expert) times each expert's ``weight.T``. Saves the input and the weights
+    themselves, not the stacked copy a grouped GEMM reads: that copy lives for one GEMM, in forward and
+    again in backward (autograd would otherwise keep a copy of every local expert's weights per layer
+    and microbatch until backward)."""
+
+    @staticmethod
+    def forward(ctx, x, rows, *weights):
+        ctx.rows = rows
+        ctx.save_for_backward(x, *weights)
+        ws = [w.to(x.dtype) for w in weights]
+        if _grouped(x, ws[0]):
+            return F.grouped_mm(x, torch.stack(ws).transpose(1, 2), offs=_offsets(rows, x.device))
+        return torch.cat([part @ w.t() for part, w in zip(x.split(rows), ws, strict=True)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        rows, grad = ctx.rows, grad.contiguous()
+        ws = [w.to(grad.dtype) for w in weights]
+        if _grouped(grad, ws[0], x):
+            offsets = _offsets(rows, grad.device)
+            grad_x = F.grouped_mm(grad, torch.stack(ws), offs=offsets)
+            grad_w = F.grouped_mm(grad.t(), x, offs=offsets).unbind(0)  # [experts, out, in]
+        else:
+            grad_x = torch.cat([g @ w for g, w in zip(grad.split(rows), ws, strict=True)])
+            grad_w = [g.t() @ part for g, part in zip(grad.split(rows), x.split(rows), strict=True)]
+        return grad_x, None, *(g.to(w.dtype) for g, w in zip(grad_w, weights, strict=True))
+
+
 def grouped_linear(x: torch.Tensor, weights, biases, tokens_per_expert: list[int]) -> torch.Tensor:
     """``x`` (rows sorted by expert, ``tokens_per_expert[i]`` for expert i) times each expert's own
-    ``weight.T``: one grouped GEMM when the shapes allow it, else one GEMM per expert."""
-    stacked = torch.stack([w.to(x.dtype) for w in weights]).transpose(1, 2)  # [experts, in, out]
-    # CUDA's grouped GEMM kernels take bf16; other dtypes there loop over the experts.
-    grouped = x.device.type == "cpu" or (x.device.type == "cuda" and x.dtype == torch.bfloat16)
-    if grouped and _aligned(stacked[0], x):
-        offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
-        out = F.grouped_mm(x, stacked, offs=offsets)
-    else:
-        out = torch.cat([part @ w for part, w in zip(x.split(tokens_per_expert), stacked, strict=True)])
+    ``weight.T`` (plus its bias): one grouped GEMM when the shapes allow it, else one GEMM per expert."""
+    out = GroupedLinear.apply(x, list(tokens_per_expert), *weights)
     if biases is not None:
+        # output_size: the rows are known, so no device sync (and fake tensors, without values, take it)
         out = out + torch.repeat_interleave(
-            torch.stack(biases).to(x.dtype), torch.tensor(tokens_per_expert, device=x.device), dim=0
+            torch.stack(biases).to(x.dtype),
+            torch.tensor(tokens_per_expert, device=x.device),
+            dim=0,
+            output_size=sum(tokens_per_expert),
         )
     return out
 
@@ -167,6 +208,7 @@ class TEGroupedMLP(_ExpertsBase):
                 torch.stack(self.linear_fc2.biases()).to(out.dtype),
                 torch.tensor(tokens_per_expert, device=out.device),
                 dim=0,
+                output_size=sum(tokens_per_expert),
             )
             out = out + bias * probs.unsqueeze(-1).to(out.dtype)
         return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 
 def _size(group) -> int:
@@ -27,13 +28,14 @@ class MoEMetricsTracker:
 
     def record(self, name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
         """Add a scalar loss of layer ``layer_number`` (1-based)."""
-        if name not in self.losses:
+        # Fresh for another model (or a fake-tensor dry run after a real one in the same process).
+        if not _fits(self.losses.get(name), (num_layers,), value):
             self.losses[name] = torch.zeros(num_layers, dtype=torch.float64, device=value.device)
         self.losses[name][layer_number - 1] += value.detach().to(torch.float64)
 
     def record_tokens(self, counts: torch.Tensor, layer_number: int, num_layers: int) -> None:
         """Add the tokens each expert of layer ``layer_number`` was given ([num_experts])."""
-        if self.tokens is None:
+        if not _fits(self.tokens, (num_layers, counts.numel()), counts):
             self.tokens = torch.zeros(num_layers, counts.numel(), dtype=torch.float64, device=counts.device)
         self.tokens[layer_number - 1] += counts.detach().to(torch.float64)
 
@@ -50,13 +52,16 @@ class MoEMetricsTracker:
         moe_layers: list[int],
         loss_names: list[str],
         num_layers: int,
-        num_experts: int,
+        num_experts: int | None,
         device,
+        per_layer: bool = False,
     ) -> tuple[dict, str]:
         """``(scalars, console text)`` for the step recorded so far, then clear. ``seq_group``: the
         ranks holding parts of one sequence (tensor-parallel with sequence parallelism, and context
         parallel), whose values add up. Collective over the pipeline, ``seq_group`` and data-parallel
-        groups: call on every rank of a MoE model (a stage without MoE layers adds zeros)."""
+        groups: call on every rank of a MoE model (a stage without MoE layers adds zeros).
+        ``num_experts`` None leaves the token counts out (upstream's track_moe_metrics reports losses
+        only); ``per_layer`` adds upstream's ``moe/<name>_layer_<i>`` (0-based, every layer)."""
         scalars: dict = {}
         for name in loss_names:
             values = self.losses.get(name)
@@ -66,13 +71,19 @@ class MoEMetricsTracker:
             _all_reduce(values, seq_group)
             _all_reduce(values, pg_collection.dp, mean=True)
             scalars[name] = float(values.sum()) / num_microbatches / max(len(moe_layers), 1)
+            if per_layer:
+                for i, value in enumerate((values / num_microbatches).tolist()):
+                    scalars[f"moe/{name}_layer_{i}"] = value
+        text = "".join(f" {name}: {scalars[name]:.2f} |" for name in loss_names)
+        if num_experts is None:
+            self.clear()
+            return scalars, text
         tokens = self.tokens
         tokens = torch.zeros(num_layers, num_experts, dtype=torch.float64) if tokens is None else tokens
         tokens = tokens.to(device)
         _all_reduce(tokens, pg_collection.pp)
         _all_reduce(tokens, seq_group)
         _all_reduce(tokens, pg_collection.dp)
-        text = "".join(f" {name}: {scalars[name]:.2f} |" for name in loss_names)
         scalars.update(token_scalars(tokens.cpu(), moe_layers))
         self.clear()
         return scalars, text
@@ -93,6 +104,15 @@ def token_scalars(tokens: torch.Tensor, moe_layers: list[int]) -> dict:
         worst = max(worst, imbalance)
     scalars["moe/tokens_imbalance"] = worst
     return scalars
+
+
+def _fits(tensor: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> bool:
+    return (
+        tensor is not None
+        and tuple(tensor.shape) == shape
+        and tensor.device == like.device
+        and is_fake(tensor) == is_fake(like)
+    )
 
 
 def _all_reduce(tensor: torch.Tensor, group, mean: bool = False) -> None:

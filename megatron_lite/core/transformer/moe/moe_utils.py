@@ -1,7 +1,8 @@
 """The router's arithmetic, with megatron.core.transformer.moe.moe_utils' names and formulas: top-k
 routing over softmax or sigmoid scores, the capacity an expert takes, token dropping and padding, the
-Switch Transformer load-balancing loss and the ST-MoE z-loss, and the autograd hook that adds an
-auxiliary loss's gradient to the backward pass."""
+Switch Transformer load-balancing loss and the ST-MoE z-loss, the autograd hook that adds an
+auxiliary loss's gradient to the backward pass, and track_moe_metrics (upstream's logging entry point
+over moe_logging's tracker)."""
 
 from __future__ import annotations
 
@@ -150,3 +151,73 @@ def apply_router_token_dropping(
         capacity_mask = torch.zeros_like(routing_map).scatter(0, order, True)
     final_map = capacity_mask if pad_to_capacity else routing_map & capacity_mask
     return routing_probs * final_map, final_map
+
+
+def track_moe_metrics(
+    loss_scale: float,
+    iteration: int,
+    writer=None,
+    wandb_writer=None,
+    total_loss_dict: dict | None = None,
+    per_layer_logging: bool = False,
+    force_initialize: bool = False,
+    track_names: list[str] | None = None,
+    num_layers: int | None = None,
+    num_moe_layers: int | None = None,
+    moe_layer_freq: int | list[int] | None = None,
+    mtp_num_layers: int | None = None,
+    pg_collection=None,
+    *,
+    seq_group=None,
+) -> str:
+    """Upstream's entry point to the MoE metrics tracker: reduce the auxiliary losses the routers
+    recorded this step (``track_names``; None: every recorded one), write each to ``writer``
+    (``add_scalar``) and ``wandb_writer`` (``log``), add the losses to ``total_loss_dict`` and return
+    the console text of the rest; then clear. The mean is over ``num_moe_layers`` MoE layers (else
+    counted from ``num_layers`` and ``moe_layer_freq``), the sum over microbatches times
+    ``loss_scale``. Ours: ``seq_group`` is the group that splits a sequence (tensor-parallel under
+    sequence parallelism, and context parallel), whose losses add up (upstream records it per metric);
+    None when nothing splits it. Missing names count as zeros on every rank, so ``force_initialize``
+    is implied. Collective over the pipeline, ``seq_group`` and data-parallel groups: call it on every
+    rank of a MoE model."""
+    from megatron_lite.core.process_groups_config import ProcessGroupCollection
+    from megatron_lite.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron_lite.core.utils import get_collective_device
+
+    if mtp_num_layers:
+        raise NotImplementedError("multi-token prediction is not supported by megatron_lite")
+    if num_layers is None:
+        raise ValueError("num_layers must be provided to track MoE metrics.")
+    tracker = get_moe_metrics_tracker()
+    names = [track_names] if isinstance(track_names, str) else track_names
+    names = list(tracker.losses) if names is None else names
+    if num_moe_layers is None:
+        freq = 1 if moe_layer_freq is None else moe_layer_freq
+        pattern = [int(i % freq == 0) for i in range(num_layers)] if isinstance(freq, int) else freq
+        num_moe_layers = sum(pattern)
+    if num_moe_layers <= 0:
+        raise ValueError("MoE metrics require at least one MoE layer.")
+    pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    scalars, _ = tracker.report(
+        pg_collection=pg_collection,
+        seq_group=seq_group,
+        num_microbatches=1 / loss_scale,
+        moe_layers=list(range(num_moe_layers)),  # only their count matters without token counts
+        loss_names=names,
+        num_layers=num_layers,
+        num_experts=None,
+        device=get_collective_device(pg_collection.pp),
+        per_layer=per_layer_logging,
+    )
+    console = {}
+    for name, value in scalars.items():
+        if writer is not None:
+            writer.add_scalar(name, value, iteration)
+        if wandb_writer is not None:
+            wandb_writer.log({name: value}, iteration)
+        if name in names and name.lower().endswith("loss") and total_loss_dict is not None:
+            previous = total_loss_dict.get(name)
+            total_loss_dict[name] = torch.tensor(value) + (0 if previous is None else previous)
+        elif name in names:
+            console[name] = value
+    return "".join(f" {name}: {value:.2f} |" for name, value in console.items())

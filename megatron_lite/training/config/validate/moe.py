@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
-from megatron_lite.training.config.flags import MOE_FLAGS
+from megatron_lite.training.config.moe_flags import MOE_FLAGS
 from megatron_lite.training.errors import ConfigError
 
 # Every --moe-* flag and its model field: each needs --num-experts when set away from its default.

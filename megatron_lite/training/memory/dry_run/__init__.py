@@ -35,10 +35,17 @@ The batch is fake too: the loader's keys, dtypes and shapes (token, label and po
 mask, the attention mask where the dataset makes one), made when the step reads it, as the loader does.
 The gradient norm, which a real step reads as a number, reads as 1.0 (clip_grads.py). Not simulated:
 what no tensor shows (:data:`NOT_SIMULATED`).
+
+A MoE model's routing is data too: its layers route as a plan says (dry_run/moe.py), and every op
+from the router's gating to the combine runs at the sizes that routing gives. With
+--moe-pad-expert-input-to-capacity the plan is the run's own routing; otherwise each stage is measured
+twice, as the preflight judges it: under the worst routing its local experts can receive
+(``max_allocated_bytes``, a bound) and under balanced routing (``balanced_max_allocated_bytes``, beside).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -51,6 +58,7 @@ from megatron_lite.training.memory.dry_run.microbatches import (
     stage_signature,
     with_microbatches,
 )
+from megatron_lite.training.memory.dry_run.moe import moe_layer_signature, moe_routings
 from megatron_lite.training.memory.dry_run.processes import DryRunError, run_in_children
 from megatron_lite.training.memory.dry_run.stage import measure_stage
 
@@ -69,13 +77,6 @@ NOT_SIMULATED = (
 )
 
 
-MOE_REFUSAL = (
-    "a MoE model (--num-experts) cannot be dry-run yet: its routing's token counts are data on fake "
-    "tensors; use the preflight's prediction (exact with --moe-pad-expert-input-to-capacity, else balanced "
-    "and worst-case routing)"
-)
-
-
 @dataclass(frozen=True)
 class StageDryRun:
     """One stage's dry run: what its TP / CP / DP rank 0 allocates over the optimizer's first step and
@@ -90,6 +91,9 @@ class StageDryRun:
     """Time the measurement took (0 for a stage measured as another's twin)."""
     measured_as: int
     """The stage whose run gave these numbers (itself, or an identical stage's)."""
+    balanced_max_allocated_bytes: int | None = None
+    """A MoE model without padding to capacity, whose figures above are the worst routing's (a bound):
+    the allocated peak under balanced routing; None otherwise."""
 
 
 def dry_run_stages(config, device_type: str = "cpu", out=None, what: str = "the job") -> list[StageDryRun]:
@@ -99,10 +103,6 @@ def dry_run_stages(config, device_type: str = "cpu", out=None, what: str = "the 
     and what is not simulated (``what`` names the job there). DryRunError when a stage fails."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if config.model.num_moe_experts:
-        # The router's data-dependent shapes (nonzero, the dispatcher's split sizes via tolist) have no
-        # value under FakeTensorMode: refuse rather than measure something else.
-        raise DryRunError(MOE_REFUSAL)
     start = time.perf_counter()
     with FakeTensorMode():  # its first use imports torch._dynamo: once here, not in every child
         torch.empty(1) + 1
@@ -117,28 +117,42 @@ def dry_run_stages(config, device_type: str = "cpu", out=None, what: str = "the 
     config = with_microbatches(config, count)
     pp = config.model.pipeline_model_parallel_size
     in_flight = most_in_flight(config, config.num_microbatches)
-    signatures = [stage_signature(config, stage, in_flight[stage]) for stage in range(pp)]
+    signatures = [
+        (stage_signature(config, stage, in_flight[stage]), moe_layer_signature(config.model, stage))
+        for stage in range(pp)
+    ]
     first_of: dict[tuple, int] = {}  # signature -> the stage measured for it
     for stage, signature in enumerate(signatures):
         first_of.setdefault(signature, stage)
     todo = sorted(set(first_of.values()))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    results = {}
-    for stage, (peak, static, seconds) in run_in_children(
-        config, todo, device_type, min(len(todo), cpus or 1)
-    ):
-        results[stage] = StageDryRun(stage, peak, static, seconds, stage)
+    routings = moe_routings(config.model)
+    runs = {}  # (stage, routing) -> (peak, static, seconds)
+    workers = min(len(todo) * len(routings), cpus or 1)
+    for (stage, routing), result in run_in_children(config, todo, device_type, workers, routings):
+        runs[stage, routing] = result
         if out is not None:
-            print(f"   dry run: stage {stage} measured in {seconds:.1f} s", file=out, flush=True)
+            how = f" ({routing} routing)" if routing else ""
+            print(f"   dry run: stage {stage}{how} measured in {result[2]:.1f} s", file=out, flush=True)
+    results = {}
+    for stage in todo:
+        peak, static, seconds = runs[stage, routings[-1]]  # the judged one: the worst routing where open
+        balanced = runs[stage, "balanced"] if len(routings) > 1 else None
+        seconds += balanced[2] if balanced else 0.0
+        results[stage] = StageDryRun(stage, peak, static, seconds, stage, balanced[0] if balanced else None)
+    stages = [
+        dataclasses.replace(results[first_of[signature]], pp_rank=stage, seconds=0.0)
+        if first_of[signature] != stage
+        else results[stage]
+        for stage, signature in enumerate(signatures)
+    ]
     if out is not None:
         seconds = time.perf_counter() - start
         print(f" dry run took {seconds:.1f} s ({len(todo)} stages measured); {NOT_SIMULATED}", file=out)
-    stages = []
-    for stage, signature in enumerate(signatures):
-        twin = results[first_of[signature]]
-        stages.append(
-            twin
-            if twin.pp_rank == stage
-            else StageDryRun(stage, twin.max_allocated_bytes, twin.static_bytes, 0.0, twin.pp_rank)
-        )
+        if len(routings) > 1:
+            both = ", ".join(
+                f"stage {s.pp_rank} {s.max_allocated_bytes / 1e9:.3g} / {s.balanced_max_allocated_bytes / 1e9:.3g}"
+                for s in stages
+            )
+            print(f" dry run's allocated peak (GB, worst routing / balanced routing): {both}", file=out)
     return stages

@@ -61,18 +61,20 @@ def stage_ranks(config) -> list[int]:
     return generator.get_ranks("pp")[0]
 
 
-def measure_stage(config, rank: int, device_type: str = "cpu") -> tuple[int, int]:
+def measure_stage(config, rank: int, device_type: str = "cpu", routing: str | None = None) -> tuple[int, int]:
     """(allocated peak, static bytes at it) of global rank ``rank``: the optimizer's first step (its
     state allocated, on zero gradients) and then one training step with the state resident, as a
     real run's second; on fake tensors in a fake world. Run it in a process of its own (it sets up
     groups and seeds), and one stage a process: a built model is not freed by the garbage collector
-    (its C++ autograd hooks hold it), and the tracker would count it in the next stage's run."""
+    (its C++ autograd hooks hold it), and the tracker would count it in the next stage's run. A MoE
+    model's layers route as ``routing`` ("balanced" or "worst", dry_run/moe.py) plans; None: dense."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_lite.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
     from megatron_lite.core.utils import fake_world_stands_for
     from megatron_lite.training.gpt_step import forward_step
     from megatron_lite.training.memory.allocated import ALLOCATED_MEMORY
+    from megatron_lite.training.memory.dry_run.moe import moe_dry_run
     from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
     from megatron_lite.training.setup import build_model_and_optimizer, get_optimizer_param_scheduler
     from megatron_lite.training.state import GlobalState
@@ -83,7 +85,12 @@ def measure_stage(config, rank: int, device_type: str = "cpu") -> tuple[int, int
     ALLOCATED_MEMORY.reset(storage_device="meta")
     ACTIVATION_MEMORY.reset()  # nothing the parent counted or excluded (a forked child inherits it)
     stands_for = fake_world_stands_for("nccl" if device_type == "cuda" else "gloo")
-    with stands_for, _fake_world(config, rank) as pg, FakeTensorMode(allow_non_fake_inputs=True):
+    with (
+        stands_for,
+        _fake_world(config, rank) as pg,
+        FakeTensorMode(allow_non_fake_inputs=True),
+        moe_dry_run(config, routing),
+    ):
         t = config.train
         reconfigure_num_microbatches_calculator(rank, None, t.global_batch_size, t.micro_batch_size,
                                                 config.data_parallel_size)  # fmt: skip

@@ -21,10 +21,10 @@ What autograd saves (measured op by op on CPU, :func:`moe_mlp_saves`; e the acti
 size, F1 = fc1's rows per expert (2f gated), f = moe_ffn_hidden_size / etp): the router's input is
 the norm output already counted; top-k's indices T k 8 and the softmax over them T k 4 (fp32); the
 load-balancing loss's softmax over all experts T E 4 (its top-k's indices are released with the
-unused values); a capacity
-factor's mask T E 1 (its sort's indices go with the unused values); the dispatcher's sorted (expert, token) indices 16 P
-(16 R for all-gather, which sorts only the local experts' pairs); grouped GEMM's stacked weights
-E_l h F1 e + E_l f h e and offsets; the experts' input R h e, fc1's output R F1 e, the activation
+unused values); a capacity factor's mask T E 1 (its sort's indices go with the unused values); the
+dispatcher's sorted (expert, token) indices 16 P (16 R for all-gather, which sorts only the local
+experts' pairs); the experts' input R h e (the grouped GEMM keeps its weights, not the stacked copy it
+reads), fc1's output R F1 e, the activation
 (gated: act(gate) and its product with value R f e each, else R f e), the probabilities R e and
 fc2's input R f e; with biases the grouped path's row-to-expert index R 8 twice and the fc2 bias
 rows R h e; the combine's index_add keeps its source (P h e after the all-to-all, R h e for
@@ -105,6 +105,15 @@ def exact_routing(m) -> bool:
     return m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity
 
 
+def judged_routing(m) -> str | None:
+    """The routing a memory verdict on ``m`` judges: None for a dense model, "exact" when padding to
+    capacity fixes the rows, else "worst" (the bound: balanced routing is a prediction that holds only
+    while load balancing does)."""
+    if not m.num_moe_experts:
+        return None
+    return "exact" if exact_routing(m) else "worst"
+
+
 def routed_rows(m, tokens: int, routing: str = "balanced") -> tuple[float, float]:
     """(R, P) per microbatch: rows this rank's local experts process, (token, expert) pairs this rank
     sorts for the all-to-all. Exact with padding to capacity; else ``routing`` "balanced" (a
@@ -142,11 +151,8 @@ def moe_mlp_saves(x, routing: str = "balanced") -> dict[str, float]:
         saves["router.capacity.mask"] = t * experts
     allgather = m.moe_token_dispatcher_type == "allgather"
     saves["dispatcher.indices"] = 16 * (rows if allgather else pairs)
-    if m.moe_grouped_gemm:
-        fc1_rows = f * (2 if gated else 1)
-        saves["experts.stacked_weights"] = local * h * fc1_rows * e + local * f * h * e + 2 * 4 * local
-        if m.add_bias_linear:
-            saves["experts.bias"] = rows * 16 + rows * h * e
+    if m.moe_grouped_gemm and m.add_bias_linear:
+        saves["experts.bias"] = rows * 16 + rows * h * e
     saves["experts.input"] = rows * h * e
     saves["experts.fc1.output"] = rows * f * (2 if gated else 1) * e
     saves["experts.activation"] = rows * f * e * (2 if gated else 1)
