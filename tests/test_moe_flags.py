@@ -227,6 +227,18 @@ def test_expert_tensor_parallelism_with_biases_is_refused():
     )
 
 
+def test_expert_and_shared_expert_sizes_must_split_over_their_tensor_parallel_ranks():
+    assert _error([*MOE, *TP2, "--moe-ffn-hidden-size", "33"]) == (
+        "--moe-ffn-hidden-size: 33 does not split over expert tensor parallel size 2; use a multiple of 2"
+    )
+    argv = [*MOE, *TP2, "--expert-tensor-parallel-size", "1", "--moe-ffn-hidden-size", "33"]
+    assert config_from_argv(argv).model.moe_ffn_hidden_size == 33  # whole experts on every rank
+    assert _error([*MOE, *TP2, "--moe-shared-expert-intermediate-size", "17"]) == (
+        "--moe-shared-expert-intermediate-size: 17 does not split over tensor parallel size 2; "
+        "use a multiple of 2"
+    )
+
+
 def test_expert_tensor_parallelism_without_biases_or_with_etp_1_is_accepted():
     assert config_from_argv([*MOE, *TP2]).model.expert_tensor_parallel_size is None
     argv = "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1".split()

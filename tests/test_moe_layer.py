@@ -184,3 +184,23 @@ def test_the_metrics_tracker_starts_afresh_for_another_model():
     tracker.record("load_balancing_loss", torch.tensor(2.0), layer_number=4, num_layers=4)
     assert tracker.tokens[3].tolist() == [3, 4, 5] and tracker.tokens[:3].sum() == 0
     assert tracker.losses["load_balancing_loss"].tolist() == [0, 0, 0, 2]
+
+
+def test_grouped_linear_matches_per_expert_gemms_with_empty_experts_and_no_tokens():
+    from megatron_lite.core.transformer.moe.experts import grouped_linear
+
+    torch.manual_seed(0)
+    for rows in ([3, 0, 5, 4], [0, 0, 0, 0]):
+        x = torch.randn(sum(rows), 16, requires_grad=True)
+        weights = [torch.randn(32, 16, requires_grad=True) for _ in rows]
+        out = grouped_linear(x, weights, None, rows)
+        grad = torch.randn(1, 32).expand(sum(rows), 32)  # stride 0, as sum().backward() gives
+        out.backward(grad)
+        ref_x = x.detach().clone().requires_grad_(True)
+        ref_w = [w.detach().clone().requires_grad_(True) for w in weights]
+        ref = torch.cat([p @ w.t() for p, w in zip(ref_x.split(rows), ref_w)])
+        ref.backward(grad)
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(x.grad, ref_x.grad)
+        for w, r in zip(weights, ref_w):
+            torch.testing.assert_close(w.grad, r.grad)

@@ -186,8 +186,8 @@ def train(forward_step_func, setup_output) -> None:
             memory_report = memory_metrics(
                 config.logger, ts.step, s.pg_collection.pp, ep_group=s.pg_collection.ep
             )
-            # MoE: every rank, every iteration (collective over pp, the sequence split and dp).
-            moe_report = moe_metrics(config, s.pg_collection, config.num_microbatches)
+            # MoE: every rank; on logged iterations collective over pp, the sequence split and dp.
+            moe_report = moe_metrics(config, s.pg_collection, config.num_microbatches, ts.step)
             report_memory_flag = training_log(
                 loss_dict,
                 total_loss_dict,

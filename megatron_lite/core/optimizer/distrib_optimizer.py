@@ -25,6 +25,7 @@ from megatron_lite.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron_lite.core.optimizer.optimizer import checkpoint_tensors_by_param, has_experts, split_for_norm
 from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig
 from megatron_lite.core.optimizer.sharded_state import common_state
+from megatron_lite.core.utils import get_collective_device
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -65,12 +66,15 @@ def _gather(tensor: torch.Tensor, bucket, everywhere: bool) -> list[torch.Tensor
     only (None elsewhere), or on every rank with ``everywhere``."""
     if bucket.dp_size == 1:
         return [tensor]
+    # On the group's device (NCCL takes only CUDA tensors), back on the host after.
+    device = get_collective_device(bucket.dp_group)
+    tensor = tensor.to(device)
     gathered = [torch.zeros_like(tensor) for _ in range(bucket.dp_size)]
     if everywhere:
         dist.all_gather(gathered, tensor, group=bucket.dp_group)
-        return gathered
+        return [t.cpu() for t in gathered]
     dist.gather(tensor, gathered if bucket.dp_rank == 0 else None, group=bucket.dp_group, group_dst=0)
-    return gathered if bucket.dp_rank == 0 else None
+    return [t.cpu() for t in gathered] if bucket.dp_rank == 0 else None
 
 
 class DistributedOptimizer:

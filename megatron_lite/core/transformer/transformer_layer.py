@@ -17,6 +17,7 @@ from megatron_lite.core.transformer.moe.moe_layer import MoELayer, is_moe_layer
 from megatron_lite.core.transformer.pipeline_layer_split import chunk_layer_offset
 from megatron_lite.core.transformer.torch_norm import WrappedTorchNorm
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
+from megatron_lite.core.utils import get_pg_size
 
 
 def get_transformer_layer_offset(
@@ -63,6 +64,9 @@ class TransformerLayer(nn.Module):
         )
         self.pre_mlp_layernorm = WrappedTorchNorm(config, config.hidden_size)
         if is_moe_layer(config, layer_number):
+            if pg_collection is None and (get_pg_size(tp_group) > 1 or get_pg_size(cp_group) > 1):
+                # Without the expert groups a MoE layer would run as if it had no expert parallelism.
+                raise ValueError("a MoE layer under tensor or context parallelism needs pg_collection")
             self.mlp = MoELayer(
                 config,
                 layer_number=layer_number,

@@ -18,13 +18,18 @@ def moe_loss_names(model_config) -> list[str]:
     return names
 
 
-def moe_metrics(config, pg_collection, num_microbatches: int) -> tuple[dict, str] | None:
-    """``(scalars, console text)`` of the step just run; None for a dense model. Collective over the
-    pipeline, sequence-split and data-parallel groups on every rank of a MoE model: call it on all
-    of them, every iteration (it also clears what the routers recorded)."""
+def moe_metrics(config, pg_collection, num_microbatches: int, iteration: int) -> tuple[dict, str] | None:
+    """``(scalars, console text)`` of the step just run, on the iterations that log (to the dashboards
+    or the console; empty on the others); None for a dense model. Call it on every rank, every
+    iteration (it clears what the routers recorded): on a logged one it is collective over the
+    pipeline, sequence-split and data-parallel groups, decided by the iteration alone."""
     m = config.model
     if not getattr(m, "num_moe_experts", None):
         return None
+    lg = config.logger
+    if iteration % lg.tensorboard_log_interval and iteration % lg.log_interval:
+        get_moe_metrics_tracker().clear()
+        return {}, ""
     pattern = moe_layer_pattern(m)
     seq_group = pg_collection.tp_cp if m.sequence_parallel else pg_collection.cp
     return get_moe_metrics_tracker().report(

@@ -106,6 +106,8 @@ class GroupedLinear(torch.autograd.Function):
         ctx.rows = rows
         ctx.save_for_backward(x, *weights)
         ws = [w.to(x.dtype) for w in weights]
+        if sum(rows) == 0:
+            return x.new_zeros((0, ws[0].size(0)))
         if _grouped(x, ws[0]):
             return F.grouped_mm(x, torch.stack(ws).transpose(1, 2), offs=_offsets(rows, x.device))
         return torch.cat([part @ w.t() for part, w in zip(x.split(rows), ws, strict=True)])
@@ -115,10 +117,13 @@ class GroupedLinear(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         rows, grad = ctx.rows, grad.contiguous()
         ws = [w.to(grad.dtype) for w in weights]
+        if sum(rows) == 0:  # no token reached these experts: nothing to multiply (grouped_mm's
+            # kernels reject, or on some GPUs mishandle, all-empty groups)
+            return torch.zeros_like(x), None, *(torch.zeros_like(w) for w in weights)
         if _grouped(grad, ws[0], x):
             offsets = _offsets(rows, grad.device)
             grad_x = F.grouped_mm(grad, torch.stack(ws), offs=offsets)
-            grad_w = F.grouped_mm(grad.t(), x, offs=offsets).unbind(0)  # [experts, out, in]
+            grad_w = F.grouped_mm(grad.t().contiguous(), x, offs=offsets).unbind(0)  # [experts, out, in]
         else:
             grad_x = torch.cat([g @ w for g, w in zip(grad.split(rows), ws, strict=True)])
             grad_w = [g.t() @ part for g, part in zip(grad.split(rows), x.split(rows), strict=True)]

@@ -129,12 +129,23 @@ def _check_capacity(m) -> None:
 def _check_parallelism(m) -> None:
     tp = m.tensor_model_parallel_size
     if tp > 1 and not m.sequence_parallel:
-        # Upstream only warns; without it every TP rank routes the same tokens and the
-        # load-balancing loss's gradient is counted tp times.
+        # Upstream only warns; without it every TP rank dispatches the same tokens as its own, so
+        # the experts see each token tp times and their gradients add up tp times.
         raise ConfigError(
             "--num-experts", f"with --tensor-model-parallel-size {tp} needs --sequence-parallel"
         )
     etp = m.expert_tensor_parallel_size or tp
+    if m.moe_ffn_hidden_size % etp:
+        raise ConfigError(
+            "--moe-ffn-hidden-size",
+            f"{m.moe_ffn_hidden_size} does not split over expert tensor parallel size {etp}; use a multiple of {etp}",
+        )
+    shared = m.moe_shared_expert_intermediate_size
+    if shared is not None and shared % tp:
+        raise ConfigError(
+            "--moe-shared-expert-intermediate-size",
+            f"{shared} does not split over tensor parallel size {tp}; use a multiple of {tp}",
+        )
     if etp > 1 and m.add_bias_linear:
         defaulted = (
             " (its default, --tensor-model-parallel-size)" if m.expert_tensor_parallel_size is None else ""
