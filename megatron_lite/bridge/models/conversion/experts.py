@@ -14,11 +14,11 @@ import re
 
 import torch
 
+from megatron_lite.core.models.gpt.expert_sharding import expert_split_dim
 from megatron_lite.core.models.gpt.state_dict_sharding import merge_tp_shards, tp_split_dim
 
 _GROUPED = re.compile(r"^(linear_fc[12]\.(?:weight|bias))(\d+)$")
 _SEQUENTIAL = re.compile(r"^local_experts\.(\d+)\.(.*)$")
-_MOE_MLPS = (".mlp.experts.", ".mlp.shared_experts.")
 
 
 def is_expert_param(name: str) -> bool:
@@ -53,21 +53,16 @@ def named_parameters(chunk):
 
 
 def split_dim(name: str) -> int | None:
-    """The dim a parameter splits along over its tensor-parallel ranks (None: whole on each)."""
-    if not any(part in name for part in _MOE_MLPS):
-        return tp_split_dim(name)
-    if ".linear_fc1." in name:
-        return 0
-    if ".linear_fc2.weight" in name:
-        return 1
-    return None  # the router, the shared expert's gate, a row-parallel bias
+    """The dim a parameter splits along over its tensor-parallel ranks (None: whole on each): a routed
+    expert's over expert TP, anything else (the shared expert too) as the dense layers over TP."""
+    return expert_split_dim(name) if is_expert_param(name) else tp_split_dim(name)
 
 
 def merge_shards(name: str, shards: list[torch.Tensor], config) -> torch.Tensor:
     """The whole tensor from every tensor-parallel rank's part, in rank order."""
-    if not any(part in name for part in _MOE_MLPS):
+    if not is_expert_param(name):
         return merge_tp_shards(name, shards, gated=config.gated_linear_unit, vocab_size=config.vocab_size)
-    dim = split_dim(name)
+    dim = expert_split_dim(name)
     if dim is None or len(shards) == 1:
         return shards[0]
     if dim == 0 and config.gated_linear_unit:

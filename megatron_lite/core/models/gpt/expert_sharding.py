@@ -32,8 +32,9 @@ def routed_expert(name: str) -> tuple[str, int] | None:
     return f"mlp.experts.experts.{fc}.{kind}", local
 
 
-def expert_split_dim(checkpoint_name: str) -> int | None:
-    """The dim a routed expert's tensor is split along over expert-TP ranks (None: replicated)."""
-    if ".linear_fc1." in checkpoint_name:
+def expert_split_dim(name: str) -> int | None:
+    """The dim a routed expert's tensor is split along over expert-TP ranks (None: replicated), by its
+    checkpoint name or a module's (``linear_fc2.weight<i>``, ``local_experts.<i>.linear_fc2.weight``)."""
+    if ".linear_fc1." in name:
         return 0
-    return 1 if checkpoint_name.endswith("linear_fc2.weight") else None
+    return 1 if ".linear_fc2.weight" in name else None

@@ -134,15 +134,18 @@ def grouped_linear(x: torch.Tensor, weights, biases, tokens_per_expert: list[int
     """``x`` (rows sorted by expert, ``tokens_per_expert[i]`` for expert i) times each expert's own
     ``weight.T`` (plus its bias): one grouped GEMM when the shapes allow it, else one GEMM per expert."""
     out = GroupedLinear.apply(x, list(tokens_per_expert), *weights)
-    if biases is not None:
-        # output_size: the rows are known, so no device sync (and fake tensors, without values, take it)
-        out = out + torch.repeat_interleave(
-            torch.stack(biases).to(x.dtype),
-            torch.tensor(tokens_per_expert, device=x.device),
-            dim=0,
-            output_size=sum(tokens_per_expert),
-        )
-    return out
+    return out if biases is None else out + bias_rows(biases, tokens_per_expert, out)
+
+
+def bias_rows(biases, tokens_per_expert: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Each row's expert bias, rows sorted by expert, in ``like``'s dtype and device."""
+    # output_size: the rows are known, so no device sync (and fake tensors, without values, take it)
+    return torch.repeat_interleave(
+        torch.stack(biases).to(like.dtype),
+        torch.tensor(tokens_per_expert, device=like.device),
+        dim=0,
+        output_size=sum(tokens_per_expert),
+    )
 
 
 class _ExpertsBase(nn.Module):
@@ -209,12 +212,7 @@ class TEGroupedMLP(_ExpertsBase):
         # fc2's bias is scaled by the probability too: the whole expert output is weighted.
         out = grouped_linear(intermediate, self.linear_fc2.weights(), None, tokens_per_expert)
         if self.linear_fc2.has_bias:
-            bias = torch.repeat_interleave(
-                torch.stack(self.linear_fc2.biases()).to(out.dtype),
-                torch.tensor(tokens_per_expert, device=out.device),
-                dim=0,
-                output_size=sum(tokens_per_expert),
-            )
+            bias = bias_rows(self.linear_fc2.biases(), tokens_per_expert, out)
             out = out + bias * probs.unsqueeze(-1).to(out.dtype)
         return out
 

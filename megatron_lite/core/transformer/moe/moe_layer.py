@@ -4,7 +4,6 @@ combine, and add the shared expert. It stands where a dense layer has its MLP (`
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
@@ -15,10 +14,7 @@ from megatron_lite.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
 )
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-
-
-def _rank_size(group) -> tuple[int, int]:
-    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+from megatron_lite.core.utils import get_pg_rank, get_pg_size
 
 
 def moe_layer_pattern(config: TransformerConfig) -> list[int]:
@@ -55,7 +51,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
-        ep_rank, ep_size = _rank_size(pg_collection.ep)
+        ep_rank, ep_size = get_pg_rank(pg_collection.ep), get_pg_size(pg_collection.ep)
         self.num_local_experts = config.num_moe_experts // ep_size
         offset = ep_rank * self.num_local_experts
         self.local_expert_indices = list(range(offset, offset + self.num_local_experts))
@@ -67,7 +63,7 @@ class MoELayer(nn.Module):
             self.num_local_experts,
             offset,
             layer_number=layer_number,
-            etp=_rank_size(pg_collection.expt_tp),
+            etp=(get_pg_rank(pg_collection.expt_tp), get_pg_size(pg_collection.expt_tp)),
             seed=seed,
         )
         dispatcher = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}[

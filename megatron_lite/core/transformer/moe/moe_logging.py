@@ -16,9 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
-
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+from megatron_lite.core.utils import get_pg_size
 
 
 class MoEMetricsTracker:
@@ -116,10 +114,10 @@ def _fits(tensor: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> bool
 
 
 def _all_reduce(tensor: torch.Tensor, group, mean: bool = False) -> None:
-    if _size(group) > 1:
+    if get_pg_size(group) > 1:
         dist.all_reduce(tensor, group=group)
         if mean:
-            tensor.div_(_size(group))
+            tensor.div_(get_pg_size(group))
 
 
 _TRACKER = MoEMetricsTracker()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.tensor_parallel.random import is_checkpointing
+from megatron_lite.core.tensor_parallel.utils import init_partition_
 from megatron_lite.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron_lite.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
@@ -19,10 +20,7 @@ from megatron_lite.core.transformer.moe.moe_utils import (
     z_loss_func,
 )
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-
-
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+from megatron_lite.core.utils import get_pg_size
 
 
 class TopKRouter(nn.Module):
@@ -41,10 +39,7 @@ class TopKRouter(nn.Module):
             torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype)
         )
         if config.perform_initialization:
-            with torch.no_grad():
-                master = torch.empty(self.weight.shape, dtype=torch.float32)
-                config.init_method(master)
-                self.weight.copy_(master)
+            init_partition_(self.weight, config.init_method, None, 0, 1)  # drawn in fp32, as every weight
         # Each sequence-parallel rank sees its own tokens: the gradients add up over TP.
         self.weight.sequence_parallel = config.sequence_parallel
         self.weight.allreduce = True
@@ -66,10 +61,15 @@ class TopKRouter(nn.Module):
         )
         # Counted over the whole sequence (a collective over seq_group); each rank's probs are its part.
         tokens_per_expert = routing_map.sum(dim=0)
-        if _size(self.seq_group) > 1:
+        if get_pg_size(self.seq_group) > 1:
             dist.all_reduce(tokens_per_expert, group=self.seq_group)
         aux_loss = switch_load_balancing_loss_func(
-            scores, tokens_per_expert, num_tokens * _size(self.seq_group), self.topk, self.num_experts, coeff
+            scores,
+            tokens_per_expert,
+            num_tokens * get_pg_size(self.seq_group),
+            self.topk,
+            self.num_experts,
+            coeff,
         )
         return self._attach(probs, "load_balancing_loss", aux_loss, coeff)
 
@@ -78,7 +78,7 @@ class TopKRouter(nn.Module):
         if not coeff or not self.training or not torch.is_grad_enabled():
             return logits
         # Each part of a sequence contributes its share of the mean.
-        z_loss = z_loss_func(logits, coeff / _size(self.seq_group))
+        z_loss = z_loss_func(logits, coeff / get_pg_size(self.seq_group))
         return self._attach(logits, "z_loss", z_loss, coeff)
 
     def routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

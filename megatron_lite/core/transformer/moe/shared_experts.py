@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.core.tensor_parallel.utils import init_partition_
 from megatron_lite.core.transformer.mlp import MLP
 
 
@@ -26,10 +27,7 @@ class SharedExpertMLP(MLP):
         if self.use_shared_expert_gate:
             self.gate_weight = nn.Parameter(torch.empty((1, config.hidden_size), dtype=config.params_dtype))
             if config.perform_initialization:
-                with torch.no_grad():
-                    master = torch.empty(self.gate_weight.shape, dtype=torch.float32)
-                    init_method(master)
-                    self.gate_weight.copy_(master)
+                init_partition_(self.gate_weight, init_method, None, 0, 1)
             # Each sequence-parallel rank gates its own tokens: the gradients add up over TP.
             self.gate_weight.sequence_parallel = config.sequence_parallel
             self.gate_weight.allreduce = True

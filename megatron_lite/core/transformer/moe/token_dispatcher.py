@@ -31,6 +31,7 @@ from megatron_lite.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron_lite.core.utils import get_pg_rank, get_pg_size
 
 # (tokens, num_experts, local expert indices) -> rows of one rank's tokens each expert receives, the
 # same for every rank whose tokens reach these local experts; set only by the dry run.
@@ -54,14 +55,6 @@ def _planned(routing_map: torch.Tensor, local_expert_indices: list[int]) -> list
     if _routing_plan is None:
         return None
     return _routing_plan(routing_map.size(0), routing_map.size(1), local_expert_indices)
-
-
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 def _sort_by_expert(routing_map: torch.Tensor, probs: torch.Tensor, planned_pairs: int | None = None):
@@ -96,7 +89,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         hidden = hidden_states.view(-1, hidden_states.size(-1))
         planned = _planned(routing_map, self.local_expert_indices)
-        if _size(self.tp_ep_group) > 1:
+        if get_pg_size(self.tp_ep_group) > 1:
             hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_ep_group)
             probs = gather_from_sequence_parallel_region(probs, group=self.tp_ep_group)
             routing_map = gather_from_sequence_parallel_region(
@@ -107,7 +100,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         local_probs = probs[:, first : first + self.num_local_experts]
         rows = None  # every gathered rank's tokens, per local expert, under a plan
         if planned is not None:
-            rows = [_size(self.tp_ep_group) * planned[e] for e in self.local_expert_indices]
+            rows = [get_pg_size(self.tp_ep_group) * planned[e] for e in self.local_expert_indices]
         self.token_idx, permuted_probs = _sort_by_expert(
             local_map, local_probs, None if rows is None else sum(rows)
         )
@@ -119,7 +112,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
     def token_unpermutation(self, expert_output: torch.Tensor) -> torch.Tensor:
         out = expert_output.new_zeros((self.num_gathered, expert_output.size(-1)))
         out = out.index_add(0, self.token_idx, expert_output)
-        if _size(self.tp_ep_group) > 1:
+        if get_pg_size(self.tp_ep_group) > 1:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_ep_group)
         return out.view(self.hidden_shape)
 
@@ -129,7 +122,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         hidden = hidden_states.view(-1, hidden_states.size(-1))
         num_experts, local = routing_map.size(1), self.num_local_experts
-        ep, etp = _size(self.ep_group), _size(self.tp_group)
+        ep, etp = get_pg_size(self.ep_group), get_pg_size(self.tp_group)
         planned = _planned(routing_map, self.local_expert_indices)
         self.token_idx, permuted_probs = _sort_by_expert(
             routing_map, probs, None if planned is None else sum(planned)
@@ -150,7 +143,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             mine = counts_all[:, :, first : first + local].tolist()  # [ep][etp][local]
         else:
             own, mine = planned, [[planned[first : first + local]] * etp] * ep
-        t0 = _rank(self.tp_group)
+        t0 = get_pg_rank(self.tp_group)
         self.input_splits = [sum(own[r * local : (r + 1) * local]) for r in range(ep)]
         self.output_splits = [sum(mine[r][t0]) for r in range(ep)]
         received = all_to_all(self.ep_group, permuted, self.output_splits, self.input_splits)
@@ -178,7 +171,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
 
     def token_unpermutation(self, expert_output: torch.Tensor) -> torch.Tensor:
         out = sort_chunks_by_idxs(expert_output, self.sorted_sizes, self.unsort_idxs)
-        if _size(self.tp_group) > 1:
+        if get_pg_size(self.tp_group) > 1:
             out = reduce_scatter_to_sequence_parallel_region(
                 out, self.tp_group, input_split_sizes=self.etp_splits
             )

@@ -33,9 +33,8 @@ all-gather). The shared expert saves a dense MLP's tensors (and with its gate T 
 
 from __future__ import annotations
 
-import math
-
 from megatron_lite.core.transformer.moe.moe_layer import moe_layer_pattern
+from megatron_lite.core.transformer.moe.moe_utils import get_capacity
 
 ROUTINGS = ("balanced", "worst")
 
@@ -95,9 +94,7 @@ def moe_mlp_parameters(prefix: str, m, spec) -> tuple[list, list]:
 def capacity(m, tokens: int) -> int | None:
     """Rows one expert takes of one rank's ``tokens`` (upstream's get_capacity), None without a factor."""
     cf = m.moe_expert_capacity_factor
-    if cf is None:
-        return None
-    return math.ceil(tokens * m.moe_router_topk / m.num_moe_experts * cf)
+    return None if cf is None else get_capacity(tokens * m.moe_router_topk, m.num_moe_experts, cf)
 
 
 def exact_routing(m) -> bool:
