@@ -12,8 +12,27 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_lite.training.checkpointing.torch_dist import SHARDED_BACKEND
+
+# A small Llama-shaped model both sides build (megatron-core's TransformerConfig and our provider):
+# 2 query heads per key/value group, no biases, no dropout.
+SMALL_LLAMA = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=8,
+    num_query_groups=4,
+    kv_channels=8,
+    ffn_hidden_size=96,
+    normalization="RMSNorm",
+    layernorm_epsilon=1e-6,
+    gated_linear_unit=True,
+    activation_func=F.silu,
+    add_bias_linear=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 
 
 def randomize(model, is_split, rank: int) -> None:

@@ -21,9 +21,9 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from dist_helpers import run_world
 from mcore_helpers import (
+    SMALL_LLAMA,
     assert_same,
     causal_mask,
     mcore_forward_on_cpu,
@@ -40,23 +40,8 @@ from megatron_lite.training.checkpointing.sharded_pieces import sharded_pieces
 from megatron_lite.training.checkpointing.torch_dist import SHARDED_BACKEND
 
 TP = 2
-LAYERS, HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB, SEQ = 2, 64, 8, 4, 8, 96, 256, 16
-_LLAMA = dict(
-    num_layers=LAYERS,
-    hidden_size=HIDDEN,
-    num_attention_heads=HEADS,
-    num_query_groups=GROUPS,  # 2 query heads per group, 2 groups per TP rank
-    kv_channels=HEAD_DIM,
-    ffn_hidden_size=FFN,
-    normalization="RMSNorm",
-    layernorm_epsilon=1e-6,
-    gated_linear_unit=True,
-    activation_func=F.silu,
-    add_bias_linear=False,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    tensor_model_parallel_size=TP,
-)
+VOCAB, SEQ = 256, 16
+_LLAMA = {**SMALL_LLAMA, "tensor_model_parallel_size": TP}  # 2 of the 4 key/value groups per TP rank
 
 
 def _mcore_model():

@@ -22,9 +22,9 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from dist_helpers import run_world
 from mcore_helpers import (
+    SMALL_LLAMA,
     assert_same,
     causal_mask,
     mcore_forward_on_cpu,
@@ -42,19 +42,7 @@ from megatron_lite.training.checkpointing.sharded_pieces import sharded_pieces
 
 EP, EXPERTS, VOCAB, SEQ = 2, 4, 256, 16
 _MOE = dict(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=8,
-    num_query_groups=4,
-    kv_channels=8,
-    ffn_hidden_size=96,
-    normalization="RMSNorm",
-    layernorm_epsilon=1e-6,
-    gated_linear_unit=True,
-    activation_func=F.silu,
-    add_bias_linear=False,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
+    **SMALL_LLAMA,
     num_moe_experts=EXPERTS,
     moe_router_topk=2,
     moe_ffn_hidden_size=32,
