@@ -22,21 +22,17 @@ def _report(message: str) -> None:
     report_error(message)
 
 
-def _raise_exit(signum, frame):
-    # Unwind so finally-blocks flush and close the loggers.
-    raise SystemExit(128 + signum)
-
-
 def worker_main(argv: list[str]) -> int:
     from megatron_lite.training.arguments import parse_args
-    from megatron_lite.training.utils.sig_utils import exit_promptly_on
+    from megatron_lite.training.utils.sig_utils import exit_promptly_on, raise_exit
 
     config = parse_args(argv)
     stop = {signal.SIGINT}  # with --exit-signal-handler, SIGTERM asks the loop to save and exit 0
     if not config.train.exit_signal_handler:
-        signal.signal(signal.SIGTERM, _raise_exit)
+        signal.signal(signal.SIGTERM, raise_exit)
         stop.add(signal.SIGTERM)
-    # Also while blocked in C++ (a rendezvous store that never answers), where no handler runs.
+    # Also while blocked in C++ (a rendezvous store that never answers), where no handler runs, and
+    # whatever dispositions this process inherited (SIGINT ignored in a shell's background job).
     exit_promptly_on(stop)
 
     from megatron_lite.core.datasets.utils import DataFileError
@@ -57,7 +53,7 @@ def worker_main(argv: list[str]) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    except SystemExit as stop:  # SIGTERM without --exit-signal-handler (see _raise_exit)
+    except SystemExit as stop:  # SIGTERM without --exit-signal-handler (see sig_utils.raise_exit)
         return stop.code if isinstance(stop.code, int) else 1
     except Exception:
         rank = os.environ.get("RANK", "?")

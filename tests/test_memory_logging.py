@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import os
 import zipfile
 
 import pytest
@@ -157,7 +156,7 @@ def test_cuda_run_dashboard_tags_are_upstreams(tmp_path):
     assert logged["memory/peak-stage"] == {1: 1, 2: 1} and logged["memory/pp-imbalance"][2] == 2.0
 
 
-def test_cli_run_writes_every_sink(tmp_path):
+def test_cli_run_writes_every_sink(tmp_path, monkeypatch):
     tb, wb, comet = tmp_path / "tb", tmp_path / "wb", tmp_path / "comet"
     result = run_pretrain(
         [
@@ -203,7 +202,7 @@ def test_cli_run_writes_every_sink(tmp_path):
     assert history[-1][key] == pytest.approx(logged[key][ITERS])
 
     # MLflow local file store.
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"file:{tmp_path / 'mlruns'}")

@@ -16,6 +16,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset as UpstreamInd
 from megatron_lite.training.tokenizers import TokenizerConfig, build_tokenizer
 
 preprocess_data = _tool("preprocess_data")
+# With one worker the tool encodes in this process and sets TOKENIZERS_PARALLELISM here, as in a worker.
+pytestmark = pytest.mark.usefixtures("restored_environment")
 
 
 @pytest.fixture(scope="module")

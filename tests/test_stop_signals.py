@@ -1,10 +1,13 @@
 """A stop signal ends a worker promptly in every phase, even blocked in C++ where no Python handler
 runs: here, set-up, connecting to a rendezvous store that accepts the connection and never answers
-(torchrun's environment, this test's socket as the store). Training and the launcher's forwarding
-are covered by test_launcher's SIGTERM / Ctrl-C tests."""
+(torchrun's environment, this test's socket as the store). Also whatever the worker inherits: a
+shell starts a background job with SIGINT ignored (and Python then installs no handler of its own),
+and a parent may pass on a mask that blocks the stop signals (issue 52). Training and the launcher's
+forwarding are covered by test_launcher's SIGTERM / Ctrl-C tests."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -12,29 +15,52 @@ import subprocess
 import sys
 import time
 
-from dist_helpers import PRETRAIN, SMALL_MODEL
+import pytest
+from dist_helpers import PRETRAIN, SMALL_MODEL, free_port
 
 from megatron_lite.training.utils.sig_utils import STOP_GRACE_S
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+# Runs a command as a non-interactive shell runs `command &` (SIGINT and SIGQUIT ignored), with the
+# stop signals blocked besides: the worst a worker can inherit.
+_AS_BACKGROUND_JOB = (
+    "import os, signal, sys; "
+    "[signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGQUIT)]; "
+    "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+INHERITED = {"as started": [], "as a background job, stop signals blocked": ["-c", _AS_BACKGROUND_JOB]}
 
-def _worker_at(port: int, cwd) -> subprocess.Popen:
+
+def _python(inherited: str) -> list[str]:
+    return [sys.executable, *INHERITED[inherited]]
+
+
+def _env(port: int, rank: int, world: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )  # fmt: skip
+    return env
+
+
+def _worker_at(port: int, cwd, inherited: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, PRETRAIN, *SMALL_MODEL, "--train-iters", "2"],
+        [*_python(inherited), PRETRAIN, *SMALL_MODEL, "--train-iters", "2"],
         cwd=cwd,
-        env=env,
+        env=_env(port, 1, 2),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
 
 
-def test_a_worker_stuck_at_rendezvous_exits_on_sigterm_and_on_sigint(tmp_path):
+@pytest.mark.parametrize("inherited", INHERITED)
+def test_a_worker_stuck_at_rendezvous_exits_on_sigterm_and_on_sigint(tmp_path, inherited):
     stores = [socket.create_server(("127.0.0.1", 0)) for _ in SIGNALS]  # they listen, never answer
-    workers = [_worker_at(store.getsockname()[1], tmp_path) for store in stores]  # one per signal
+    workers = [_worker_at(store.getsockname()[1], tmp_path, inherited) for store in stores]  # one per signal
     try:
         connections = []
         for store in stores:
@@ -56,3 +82,42 @@ def test_a_worker_stuck_at_rendezvous_exits_on_sigterm_and_on_sigint(tmp_path):
     assert codes == [128 + sig for sig in SIGNALS], [w.stderr.read() for w in workers]
     # The store's own timeout is --distributed-timeout-minutes (10): the watchdog ended them.
     assert took < STOP_GRACE_S + 10
+
+
+# A worker's whole life (a real async save, then exit_promptly_on's set-up on the way out is long
+# done), then a child started from it: what that child inherits. Printed as JSON on the last line.
+_TRAIN_THEN_START_A_CHILD = """
+import json, os, runpy, subprocess, sys
+pretrain = runpy.run_path(sys.argv[1])
+code = pretrain["worker_main"](sys.argv[2:])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+with open(f"/proc/{child.pid}/status") as f:
+    sets = {k: int(v, 16) for k, v in (line.split(":", 1) for line in f) if k in ("SigBlk", "SigIgn")}
+child.kill()
+child.wait()
+print(json.dumps({"code": code, **sets}), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_child_started_after_an_async_save_can_be_stopped(tmp_path):
+    """The library blocks the stop signals around starting its background checkpoint writer, and the
+    worker was itself started as a background job with them blocked: neither may reach a process the
+    worker starts later."""
+    args = [
+        *SMALL_MODEL, "--train-iters", "2", "--save", "ckpt", "--save-interval", "1", "--async-save",
+        "--ckpt-format", "torch_dist",
+    ]  # fmt: skip
+    done = subprocess.run(
+        [*_python("as a background job, stop signals blocked"), "-c", _TRAIN_THEN_START_A_CHILD, PRETRAIN,
+         *args],
+        cwd=tmp_path, env=_env(free_port(), 0, 1), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["code"] == 0, done.stdout[-3000:]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    for sig in SIGNALS:
+        bit = 1 << (sig - 1)
+        assert not report["SigBlk"] & bit, f"{signal.Signals(sig).name} blocked in a child"
+        assert not report["SigIgn"] & bit, f"{signal.Signals(sig).name} ignored in a child"

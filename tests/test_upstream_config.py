@@ -248,7 +248,7 @@ def test_lazy_mpu_init_implies_cpu_initialization(mocker):
     assert cfg.model.use_cpu_initialization is True and cfg.dist.lazy_init
 
 
-def test_environment_defaults_keep_launcher_values(mocker, monkeypatch):
+def test_environment_defaults_keep_launcher_values(mocker, monkeypatch, restored_environment):
     monkeypatch.setenv("ML_TEST_KEEP", "launcher")
     monkeypatch.delenv("ML_TEST_NEW", raising=False)
     cfg = _container(1, mocker)

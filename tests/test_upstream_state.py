@@ -168,7 +168,8 @@ def test_loggers_exist_on_the_last_rank_only(mocker):
     writer.assert_not_called()
 
 
-def test_wandb_logger_is_the_module_with_a_run(mocker, last_rank, tmp_path):
+def test_wandb_logger_is_the_module_with_a_run(mocker, last_rank, tmp_path, restored_environment):
+    # The factory sets W&B's console defaults in this process, as on the writer rank.
     fake = mocker.MagicMock()
     mocker.patch.dict(sys.modules, {"wandb": fake})
     cfg = ConfigContainer()

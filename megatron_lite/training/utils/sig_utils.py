@@ -61,6 +61,7 @@ class DistributedSignalHandler:
         self.original_handler = signal.getsignal(self.sig)
         if threading.current_thread() is threading.main_thread():
             signal.signal(self.sig, self._handle)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {self.sig})  # a mask inherited from the parent
             self._installed = True
         return self
 
@@ -82,6 +83,12 @@ class DistributedSignalHandler:
 STOP_GRACE_S = 10.0
 
 
+def raise_exit(signum, frame):
+    """A stop signal's handler that unwinds (finally-blocks flush and close the loggers) with
+    SystemExit(128 + the signal's number)."""
+    raise SystemExit(128 + signum)
+
+
 def exit_promptly_on(signals: set[int], grace_s: float = STOP_GRACE_S) -> None:
     """After one of ``signals``, this process is gone within ``grace_s`` seconds, whatever it is doing.
 
@@ -90,9 +97,17 @@ def exit_promptly_on(signals: set[int], grace_s: float = STOP_GRACE_S) -> None:
     until that call returned, minutes later. The interpreter's C handler also writes each signal's
     number to the wakeup pipe set here; a daemon thread waiting on it gives the main thread ``grace_s``
     to unwind through its own handler (closing loggers; a save in progress is atomic, so the previous
-    checkpoint stays whole), then ends the process with 128 + the signal's number. Each signal needs
-    a Python-level handler (SIG_DFL ends the process at once anyway). Main thread only.
+    checkpoint stays whole), then ends the process with 128 + the signal's number. Main thread only.
+
+    A signal without a Python handler gets one (KeyboardInterrupt for SIGINT, ``raise_exit`` for the
+    others), and each is unblocked: what a process inherits would otherwise make it deaf to them. A
+    shell starts a background job with SIGINT ignored, and Python then installs no handler of its own;
+    a parent may pass on a mask that blocks them (issue 52: workers that never stopped on SIGINT).
     """
+    for sig in signals:
+        if not callable(signal.getsignal(sig)):  # SIG_IGN, SIG_DFL, or set outside Python (None)
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else raise_exit)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
