@@ -233,8 +233,10 @@ def test_cross_entropy_reduces_over_the_given_group(mocker):
     all_reduce = mocker.patch("torch.distributed.all_reduce")
     mocker.patch.object(cross_entropy_module, "get_tensor_model_parallel_group", side_effect=AssertionError)
     logits, target = torch.randn(5, 7), torch.randint(0, 7, (5,))
+    # Before the call, as upstream's test: fp32 logits become the softmax in place (megatron-core's memory).
+    expected, softmax = F.cross_entropy(logits, target, reduction="none"), F.softmax(logits, -1)
     loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target, tp_group=group)
-    assert torch.allclose(loss, F.cross_entropy(logits, target, reduction="none"))
+    assert torch.allclose(loss, expected) and torch.allclose(logits, softmax)
     assert [c.kwargs["group"] for c in all_reduce.call_args_list] == [group] * 3
     with pytest.raises(NotImplementedError, match="label_smoothing"):
         tensor_parallel.vocab_parallel_cross_entropy(logits, target, 0.1)
@@ -244,8 +246,8 @@ def test_language_module_loss_is_batch_major():
     module = LanguageModule(_config())
     labels = torch.randint(0, 10, (2, 3))
     logits = torch.randn(3, 2, 10)
-    loss = module.compute_language_model_loss(labels, logits)
     expected = F.cross_entropy(logits.transpose(0, 1).reshape(6, 10), labels.reshape(6), reduction="none")
+    loss = module.compute_language_model_loss(labels, logits)
     assert loss.shape == (2, 3) and torch.allclose(loss.reshape(6), expected)
 
 

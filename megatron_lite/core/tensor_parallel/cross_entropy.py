@@ -24,10 +24,12 @@ def _all_reduce(x: torch.Tensor, op, group) -> None:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group):
+        # As megatron-core: bf16 logits get one fp32 copy, shifted in place; fp32 logits are the
+        # caller's tensor, shifted in place (nothing saved them). Peak: the logits plus one fp32 copy.
         logits = logits.float()
         logits_max = logits.amax(dim=-1)  # max's values without its indices: ~3x faster on CPU
         _all_reduce(logits_max, dist.ReduceOp.MAX, group)
-        logits = logits - logits_max.unsqueeze(-1)
+        logits.sub_(logits_max.unsqueeze(-1))
 
         rank, world = _tp(group)
         partition_vocab = logits.size(-1)

@@ -4,9 +4,10 @@ A stage peaks at one of a few instants, each measured op by op on CPU (the alloc
 names the op at the peak) and counted here tensor by tensor, for t = s b / cp tokens, t' = t / tp under
 sequence parallelism, V' = V / tp, f = the MLP's fc2 width per TP rank, element size e:
 
-- the cross entropy's shift on the last chunk (``logits - max``): the logits t V' e, their fp32 upcast
-  t V' 4 when e is 2, and the shifted fp32 copy t V' 4 that becomes the saved softmax. The softmax,
-  its masks and the loss mask are not saved yet at that instant;
+- the cross entropy's shift on the last chunk (``logits -= max``, in place as megatron-core's): the
+  logits t V' e and, when e is 2, their fp32 upcast t V' 4, which is shifted, exponentiated and
+  normalised in place and becomes the saved softmax (fp32 logits are that buffer themselves). The
+  softmax, its masks and the loss mask are not saved yet at that instant;
 - the output layer's backward: its input gradient t h e (the whole sequence before SP's
   reduce-scatter), under SP the re-gathered input t h e, and its weight gradient V' h e, beside all of
   the chunk's saves (the cross entropy's gradient is its own softmax buffer, modified in place);
@@ -50,10 +51,10 @@ from megatron_lite.training.memory.predict.activations import (
 
 
 def loss_forward_extra(x: Shape) -> int:
-    """At the cross entropy's shift: the logits, their fp32 upcast (when not fp32) and the shifted copy."""
+    """At the cross entropy's shift: the logits and their fp32 upcast (when not fp32), shifted in place."""
     t, vocab = x.tokens, vocab_per_rank(x)
     upcast = t * vocab * 4 if x.elt != 4 else 0
-    return t * vocab * x.elt + upcast + t * vocab * 4
+    return t * vocab * x.elt + upcast
 
 
 def output_backward_extra(x: Shape) -> int:
