@@ -9,8 +9,28 @@ run logged at start.
 
 from __future__ import annotations
 
+import torch
 from dist_helpers import run_world
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.profiler import ProfilerActivity, profile
+
+
+def profiler_peak_and_final(fn) -> tuple[int, int, object]:
+    """The CPU allocator's own account of ``fn()``: the running total of its memory events under
+    torch.profiler, as (peak, final) bytes beyond what was allocated before, and ``fn``'s result."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    total = peak = 0
+    for e in events:
+        if e.device_type() == torch._C._autograd.DeviceType.CPU:
+            total += e.nbytes()
+            peak = max(peak, total)
+    return peak, total, result
+
 
 QUANTITIES = ("weights", "grads", "optimizer", "activations", "peak")
 MEASURED_TAGS = {

@@ -6,8 +6,7 @@ import functools
 
 import pytest
 import torch
-from memory_measure import PEAK_CASES, measure, peak_argv
-from torch.profiler import ProfilerActivity, profile
+from memory_measure import PEAK_CASES, measure, peak_argv, profiler_peak_and_final
 
 from megatron_lite.training.memory.allocated import AllocatedMemoryTracker
 from megatron_lite.training.training import _tracks_memory
@@ -31,30 +30,13 @@ def _step() -> list[torch.Tensor]:
     return [x, w1, w2, optimizer]
 
 
-def _profiler_peak_and_final() -> tuple[int, int]:
-    """The CPU allocator's own account: the running total of its memory events under torch.profiler."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        kept = _step()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    total = peak = 0
-    for e in events:
-        if e.device_type() == torch._C._autograd.DeviceType.CPU:
-            total += e.nbytes()
-            peak = max(peak, total)
-    del kept
-    return peak, total
-
-
 def test_allocated_bytes_agree_with_the_profilers_memory_events():
     tracker = AllocatedMemoryTracker()
     with tracker.track():
         baseline = tracker.current_bytes  # what existed before: the profiler does not see it
         kept = _step()
     peak, final = tracker.peak_bytes - baseline, tracker.current_bytes - baseline
-    profiler_peak, profiler_final = _profiler_peak_and_final()
+    profiler_peak, profiler_final, _ = profiler_peak_and_final(_step)
     assert profiler_peak > 30e6  # the step's tensors, not noise
     assert abs(peak - profiler_peak) <= 0.01 * profiler_peak, (peak, profiler_peak)
     assert abs(final - profiler_final) <= 0.01 * profiler_final, (final, profiler_final)
