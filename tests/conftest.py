@@ -24,6 +24,9 @@ for _sink in ("wandb", "mlflow", "comet_ml"):
     except ImportError:  # optional sinks
         pass
 
+# Set by pytest, or by a library for itself on its first use (torch's compiler, on the first fake-tensor
+# trace): not a test's doing.
+_NOT_A_TESTS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 _SIGNALS = sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}, key=int)
 
 
@@ -53,7 +56,7 @@ def process_state() -> dict[str, object]:
         "signal handlers": {_name(s): signal.getsignal(s) for s in _SIGNALS},
         "signal sets": _kernel_signal_sets(),
         "wakeup fd": _wakeup_fd(),
-        "environment": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},  # pytest's own
+        "environment": {k: v for k, v in os.environ.items() if k not in _NOT_A_TESTS},
         "working directory": os.getcwd(),
         # Unset means the platform's default, which a first get_start_method() merely fixes.
         "multiprocessing start method": multiprocessing.get_start_method(allow_none=True)

@@ -145,3 +145,35 @@ def test_a_stage_process_killed_is_one_line_and_nothing_hangs():
         list(run_in_children(_tiny_config(), [0, 1, 2, 3], "cpu", workers=1))
     killer.join(timeout=10)
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize(
+    "layout,fused",
+    [
+        ("--bf16", True),  # CUDA's flash kernel applies dropout inside itself
+        ("--bf16 --context-parallel-size 2", True),  # a mask: the memory-efficient kernel
+        ("--group-query-attention --num-query-groups 2", False),  # fp32 and grouped heads: math
+    ],
+)
+def test_attention_dropout_on_a_gpu_keeps_probabilities_only_where_cuda_takes_the_math_path(layout, fused):
+    """Megatron-LM's default attention dropout (0.1): on CUDA a fused kernel takes it and saves no
+    s x s probabilities, except where PyTorch's kernel selection leaves only the math path (an explicit
+    mask, context parallelism's, rules flash out; grouped-query heads the memory-efficient kernel).
+    The prediction and the dry run (on fake tensors, the job's kernels) agree on both."""
+    from megatron_lite.training.arguments import config_from_argv
+    from megatron_lite.training.memory.dry_run import dry_run_stages
+    from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
+
+    base = (
+        "--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 512 "
+        "--max-position-embeddings 512 --vocab-size 1024 --micro-batch-size 2 --global-batch-size 4 "
+        "--nproc-per-node 2 --hidden-dropout 0.1 "
+    )
+    argv = lambda dropout: (base + layout + f" --attention-dropout {dropout}").split()  # noqa: E731
+    with_dropout, without = (config_from_argv(argv(d)) for d in ("0.1", "0.0"))
+    probs = 3 * 2 * 4 * 512 * 512 * 2 // with_dropout.model.context_parallel_size  # softmax, mask, dropped
+    predicted = [predict_memory_per_stage(c, device_type="cuda")[0] for c in (with_dropout, without)]
+    extra = predicted[0].activation_bytes - predicted[1].activation_bytes
+    assert extra == 0 if fused else extra >= 2 * probs  # two layers' probabilities in flight, at least
+    dry = dry_run_stages(with_dropout, device_type="cuda")[0].max_allocated_bytes
+    assert abs(predicted[0].peak_bytes - dry) <= 0.03 * dry, (predicted[0].peak_bytes, dry)

@@ -19,6 +19,47 @@ from megatron_lite.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron_lite.core.utils import cp_positions
 
 
+def keeps_probabilities(dropout_p: float, masked: bool, gqa: bool, half: bool, device_type: str) -> bool:
+    """Whether scaled_dot_product_attention takes its math path, which saves the s x s probabilities
+    (softmax, dropout mask, dropped copy), as PyTorch's kernel selection does: only with dropout (the
+    fused kernels need none without); always on the CPU, whose flash kernel has no dropout; on CUDA
+    where neither fused kernel takes the call: flash needs bf16 / fp16 and no explicit mask (context
+    parallelism gives one), the memory-efficient kernel no grouped-query heads."""
+    if dropout_p == 0.0:
+        return False
+    if device_type != "cuda":
+        return True
+    return not (half and not masked) and gqa
+
+
+_FUSED_DROPOUT_STAND_IN = [False]
+
+
+@contextlib.contextmanager
+def cuda_attention_kernels():
+    """Attention with dropout as CUDA runs it, on fake tensors (the preflight's dry run of a GPU job):
+    where a fused CUDA kernel would take the call (``keeps_probabilities``), the CPU flash kernel's op
+    runs with the dropout probability instead of the math path, and saves what the fused kernel saves
+    (q, k, v, the output and the log-sum-exp). Its kernel draws no dropout: for tensors without
+    storage only."""
+    _FUSED_DROPOUT_STAND_IN[0] = True
+    try:
+        yield
+    finally:
+        _FUSED_DROPOUT_STAND_IN[0] = False
+
+
+def _fused_with_dropout(q, k, v, mask, dropout_p: float, causal: bool) -> torch.Tensor:
+    """The fused kernels' allocation on fake tensors (see ``cuda_attention_kernels``): a boolean mask
+    becomes the additive float mask SDPA makes of it; grouped k and v are read as they are."""
+    if mask is not None:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, causal, attn_mask=mask
+    )
+    return out
+
+
 class _AllGatherAlongSequence(torch.autograd.Function):
     """[b, h, s_local, d] -> [b, h, cp * s_local, d] in CP-rank order. Collective over ``group``."""
 
@@ -57,8 +98,14 @@ class DotProductAttention(nn.Module):
             query_pos = cp_positions(seq, cp_rank, cp_size, device=q.device)
             key_pos = torch.cat([cp_positions(seq, r, cp_size, device=q.device) for r in range(cp_size)])
             mask, causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1), False
+        gqa = k.size(1) != q.size(1)
+        fused_stand_in = _FUSED_DROPOUT_STAND_IN[0] and not keeps_probabilities(
+            dropout_p, mask is not None, gqa, q.dtype in (torch.bfloat16, torch.float16), "cuda"
+        )
         # Each TP rank holds different heads, so their dropout masks come from the per-rank stream.
         with get_cuda_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext():
+            if fused_stand_in and dropout_p > 0.0:
+                return _fused_with_dropout(q, k, v, mask, dropout_p, causal)
             return F.scaled_dot_product_attention(
                 q,
                 k,
@@ -66,5 +113,5 @@ class DotProductAttention(nn.Module):
                 attn_mask=mask,
                 dropout_p=dropout_p,
                 is_causal=causal,
-                enable_gqa=k.size(1) != q.size(1),
+                enable_gqa=gqa,
             )

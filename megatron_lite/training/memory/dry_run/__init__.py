@@ -17,11 +17,11 @@ it counts the CPU's in a real run: the dry run and ``mem-max-allocated`` are one
 (a tp 2 first stage misses one t h e buffer of the real run's).
 
 Where code differs by device the dry run takes the job's path: for a GPU job (``device_type="cuda"``,
-the preflight's) NCCL's reduce-scatter and the foreach AdamW; for a CPU one gloo's. Point-to-point
+the preflight's) NCCL's reduce-scatter, the foreach AdamW and attention with dropout as CUDA's fused
+kernels run it, saving no probabilities (``cuda_attention_kernels``); for a CPU one gloo's. Point-to-point
 sends complete with their exchange, as NCCL's and the shared-memory channel's do (gloo's sockets,
 between hosts, hold each send until the next exchange: one output more for a while). The kernels
-themselves are the CPU's (PyTorch's CPU flash attention, which saves what CUDA's does without
-dropout). It drives the fewest microbatches that reach every stage's most in flight
+themselves are otherwise the CPU's (PyTorch's CPU flash attention saves what CUDA's fused kernels do). It drives the fewest microbatches that reach every stage's most in flight
 (:func:`dry_run_microbatches`): a few instead of hundreds, the peak unchanged.
 
 Why rank 0 of each group is enough: tensor-parallel ranks hold the same shapes (layers, heads and the

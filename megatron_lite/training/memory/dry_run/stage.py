@@ -71,6 +71,7 @@ def measure_stage(config, rank: int, device_type: str = "cpu", routing: str | No
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_lite.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
+    from megatron_lite.core.transformer.dot_product_attention import cuda_attention_kernels
     from megatron_lite.core.utils import fake_world_stands_for
     from megatron_lite.training.gpt_step import forward_step
     from megatron_lite.training.memory.allocated import ALLOCATED_MEMORY
@@ -90,6 +91,7 @@ def measure_stage(config, rank: int, device_type: str = "cpu", routing: str | No
         _fake_world(config, rank) as pg,
         FakeTensorMode(allow_non_fake_inputs=True),
         moe_dry_run(config, routing),
+        cuda_attention_kernels() if device_type == "cuda" else contextlib.nullcontext(),
     ):
         t = config.train
         reconfigure_num_microbatches_calculator(rank, None, t.global_batch_size, t.micro_batch_size,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lite.core.pipeline_parallel.interleaved import get_pp_rank_microbatches, get_schedule_table
+from megatron_lite.core.transformer.dot_product_attention import keeps_probabilities
 from megatron_lite.training.memory.predict.moe import is_moe, moe_mlp_saves
 
 
@@ -27,16 +28,19 @@ class Shape:
     elt: int  # bytes of an activation element (2 with bf16, else 4)
     m: object  # the GPTModelProvider
     routing: str = "balanced"  # a MoE layer's token counts when the config leaves them open (predict/moe.py)
+    device: str = "cpu"  # whose kernels: attention with dropout keeps its probabilities on the CPU only
 
 
-def make_shape(config, routing: str = "balanced") -> Shape:
+def make_shape(config, routing: str = "balanced", device_type: str = "cpu") -> Shape:
     m = config.model
     tokens = m.seq_length // m.context_parallel_size * config.train.micro_batch_size
     norm_tokens = tokens // m.tensor_model_parallel_size if m.sequence_parallel else tokens
     elt = 2 if (m.bf16 or m.fp16) else 4
     seq = m.seq_length
     batch = config.train.micro_batch_size
-    return Shape(tokens, norm_tokens, seq, seq // m.context_parallel_size, batch, elt, m, routing)
+    return Shape(
+        tokens, norm_tokens, seq, seq // m.context_parallel_size, batch, elt, m, routing, device_type
+    )
 
 
 def _rotary_dim(m) -> int:
@@ -73,7 +77,7 @@ def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
     k = {"k": t * groups * d * e} if rope else mixed
     inputs = {**q, **k, **mixed}  # v is always a view of the QKV output
     out = {"core_attention.output": t * heads * d * e}
-    if m.attention_dropout > 0.0:
+    if keeps_probabilities(m.attention_dropout, cp > 1, heads != groups, e == 2, x.device):
         # PyTorch's math path: scaled q and k, softmax, dropout mask and dropped probabilities, v
         # (GQA's k and v expanded to all heads); its output is copied by the reshape before linear_proj.
         probs = b * heads * x.local_seq * x.seq * e
@@ -86,7 +90,8 @@ def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
         }
         core.update(mixed if heads == groups and cp == 1 else {"v.expanded": b * heads * x.seq * d * e})
         return inputs, core, {"linear_proj.input": t * heads * d * e}
-    # The CPU flash kernel: q, k, v, its output and the log-sum-exp (fp32).
+    # A fused kernel (the CPU's flash; CUDA's flash or memory-efficient one, which apply dropout inside
+    # themselves): q, k, v, its output and the log-sum-exp (fp32).
     core = {**q, "logsumexp": t * heads * 4, **out}
     if cp > 1:  # gathered keys and values, and the positional mask as an additive float mask
         core.update({"k.gathered": b * groups * x.seq * d * e, "v.gathered": b * groups * x.seq * d * e})

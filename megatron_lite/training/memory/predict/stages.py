@@ -169,7 +169,8 @@ def predict_memory_per_stage(
 ) -> list[StageMemoryPrediction]:
     """One prediction per pipeline rank for ``config`` (a validated ConfigContainer), for TP rank 0
     and rank ``dp_rank`` of the data-parallel x context-parallel group, on a ``device_type`` device
-    ("cpu" or "cuda": their AdamW defaults differ in scratch). Pure and cheap: no process group, no
+    ("cpu" or "cuda": their AdamW defaults differ in scratch, and attention with dropout keeps its
+    probabilities on the CPU only, dot_product_attention.keeps_probabilities). Pure and cheap: no process group, no
     model. A MoE model's routed rows are ``routing``'s ("balanced" or "worst", predict/moe.py) unless
     the config fixes them; with "balanced" and open rows ``activation_bytes_worst`` holds the bound."""
     m = config.model
@@ -178,7 +179,7 @@ def predict_memory_per_stage(
         worst = predict_memory_per_stage(config, dp_rank, device_type, routing="worst")
     pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
     group = m.microbatch_group_size_per_vp_stage or pp
-    x = make_shape(config, routing)
+    x = make_shape(config, routing, device_type)
     per_layer = sum(layer_saves(x).values())
     stages = []
     for rank in range(pp):
