@@ -93,7 +93,13 @@ class ModelParallelConfig:
     async_tensor_model_parallel_allreduce: bool = False
     """Overlap the input-gradient all-reduce with the weight-gradient GEMM (not supported: False)."""
     cross_entropy_loss_fusion: bool = False
-    """Fused cross entropy (not supported: False)."""
+    """The output layer and the vocab-parallel cross entropy computed together over chunks of tokens
+    (core/fusions/fused_linear_cross_entropy.py): no [s, b, vocab / tp] logits at any instant."""
+    cross_entropy_fusion_impl: str = "native"
+    """``native`` (megatron_lite's chunked fusion); ``te`` (Transformer Engine's kernel) is refused."""
+    cross_entropy_fusion_chunk_tokens: int | None = None
+    """Tokens per chunk of the fused loss; None: the device's default (its fp32 logits near 64 MiB on
+    CUDA, 32 MiB on the CPU). megatron_lite's."""
     tp_comm_overlap: bool = False
     """Userbuffer TP communication overlap (not supported: False)."""
     batch_p2p_comm: bool = True

@@ -61,7 +61,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         input_, weight = ctx.saved_tensors
         deferred = defers_wgrad(ctx.grad_output_buffer, ctx.wgrad_deferral_limit)
         if deferred:
-            ctx.grad_output_buffer.append(grad_output)
+            # Its values only: an fp32 cross entropy's gradient is the logits tensor itself (made the
+            # softmax in place, as megatron-core's), whose graph would stay alive until the flush.
+            ctx.grad_output_buffer.append(grad_output.detach())
         grad_input = grad_output.matmul(weight.to(grad_output.dtype))
         if ctx.sequence_parallel:
             grad_input = _reduce_scatter(grad_input, ctx.tp_group, 0)
@@ -92,7 +94,8 @@ def drain_wgrad(
     while grad_output_buffer:
         input_, grad_output = embedding_activation_buffer.pop(0), grad_output_buffer.pop(0)
         total_input = _gather(input_, tp_group, 0) if sequence_parallel else input_
-        grad = _wgrad(grad_output, total_input)
+        # The fused loss (fusions/fused_linear_cross_entropy) defers a callable, not a gradient.
+        grad = grad_output(total_input) if callable(grad_output) else _wgrad(grad_output, total_input)
         del input_, total_input, grad_output  # each microbatch's buffers go as soon as they are used
         main_grad = getattr(weight, "main_grad", None)
         if main_grad is not None:

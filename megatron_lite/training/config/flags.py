@@ -87,6 +87,27 @@ PARALLEL_FLAGS: list[tuple[str, str, str | None, object, str]] = [
         "Run the last stage's output-layer weight-gradient GEMMs at the pipeline flush.",
     ),
     (
+        "--cross-entropy-loss-fusion",
+        "model",
+        "cross_entropy_loss_fusion",
+        "store_true",
+        "The output layer and the cross entropy over chunks of tokens: no [s, b, vocab/tp] logits.",
+    ),
+    (
+        "--cross-entropy-fusion-impl",
+        "model",
+        "cross_entropy_fusion_impl",
+        str,
+        "native (chunked, megatron_lite's); te is not supported.",
+    ),
+    (
+        "--cross-entropy-fusion-chunk-tokens",
+        "model",
+        "cross_entropy_fusion_chunk_tokens",
+        int,
+        "Tokens per chunk of the fused loss (default: the device's).",
+    ),
+    (
         "--wgrad-deferral-limit",
         "model",
         "wgrad_deferral_limit",

@@ -99,6 +99,7 @@ RANGES: dict[str, Range] = {
         ),
         ONE_OR_MORE,
     ),
+    "--cross-entropy-fusion-chunk-tokens": ONE_OR_MORE,
     "--wgrad-deferral-limit": ZERO_OR_MORE,  # 0: defer every microbatch's output-layer wgrad
     # Mixture of experts
     "--num-experts": ZERO_OR_MORE,  # 0: a dense model (upstream maps it to None)

@@ -1,7 +1,7 @@
 """The memory levers the preflight may pull, and what each costs: sequence parallelism, the
 distributed optimizer, recompute (selective, or full over 1..N layers per chunk), moving layers from
-the first stage to the last, deferring one microbatch's output-layer wgrad, a deeper pipeline and, for
-MoE models, a larger expert-parallel size and a capacity factor.
+the first stage to the last, deferring one microbatch's output-layer wgrad, the fused loss, a deeper
+pipeline and, for MoE models, a larger expert-parallel size and a capacity factor.
 ``candidate_changes`` lists every combination this layout can still pull, cheapest first: every
 combination that keeps all tokens before any that drops some (a capacity factor), and within each by
 the extra step time."""
@@ -100,6 +100,21 @@ def _expert_parallel_changes(config) -> list[Change]:
     ]
 
 
+def _loss_fusion_changes(m) -> list[Change]:
+    """--cross-entropy-loss-fusion: the last stage never holds its [s, b, V/tp] logits, their fp32
+    copy or the softmax saved until backward; it pays one more output-layer GEMM (the logits again in
+    backward), priced against the last stage's work per token: its layers' (24 h^2 / tp each, the
+    attention's scores aside) and the output layer's three GEMMs (6 h V / tp)."""
+    if m.cross_entropy_loss_fusion:
+        return []
+    tp, h = m.tensor_model_parallel_size, m.hidden_size
+    vocab = m.padded_vocab_size // tp
+    layers = sum(chunk[-1] for chunk in pipeline_layer_counts(m))  # the last rank's, over its chunks
+    last = layers * 24 * h * h / tp + 6 * h * vocab
+    why = "the output layer and loss over chunks of tokens: no [s, b, vocab/tp] logits"
+    return [Change(("--cross-entropy-loss-fusion",), 2 * h * vocab / last, why)]
+
+
 # Largest first: the least dropping is tried first.
 CAPACITY_FACTORS = (1.5, 1.25, 1.0)
 
@@ -167,8 +182,9 @@ def candidate_changes(config) -> list[Change]:
     split = [(None, None)] + [(c, None) for c in _split_changes(m)] + [(None, c) for c in deeper[1:]]
     expert = [None, *_expert_parallel_changes(config)]
     capacity = [None, *_capacity_changes(m)]
+    fusion = [None, *_loss_fusion_changes(m)]
     combos = []
-    for parts in itertools.product(deferral, sp, distopt, expert, recompute, split, capacity):
+    for parts in itertools.product(fusion, deferral, sp, distopt, expert, recompute, split, capacity):
         parts = [*parts[:-2], *parts[-2], parts[-1]]
         chosen = [c for c in parts if c is not None]
         if chosen:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_lite.core.fusions.fused_linear_cross_entropy import output_layer_cross_entropy
 from megatron_lite.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_lite.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
@@ -154,6 +155,12 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        if labels is not None and self.config.cross_entropy_loss_fusion:
+            # The output layer and the loss over chunks of tokens: no [s, b, V/tp] logits at any instant.
+            return output_layer_cross_entropy(
+                self.output_layer, hidden, labels.transpose(0, 1).contiguous(), weight,
+                self.config.cross_entropy_fusion_chunk_tokens,
+            ).transpose(0, 1)  # fmt: skip
         logits, _ = self.output_layer(hidden, weight=weight)
         if labels is None:
             return logits

@@ -11,6 +11,12 @@ RECOMPUTE_MODULES = ("core_attn", "mlp")
 
 def check_activation_levers(cfg) -> None:
     m = cfg.model
+    if m.cross_entropy_fusion_impl not in ("native", "te"):
+        raise ConfigError(
+            "--cross-entropy-fusion-impl", f"must be native or te, got {m.cross_entropy_fusion_impl!r}"
+        )
+    if m.cross_entropy_loss_fusion and m.cross_entropy_fusion_impl == "te":
+        raise ConfigError("--cross-entropy-fusion-impl", "te needs Transformer Engine; use native")
     granularity, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
     if granularity not in (None, "full", "selective"):
         raise ConfigError("--recompute-granularity", f"must be full or selective, got {granularity!r}")

@@ -176,8 +176,12 @@ def vocab_per_rank(x: Shape) -> int:
 
 def loss_saves(x: Shape) -> int:
     """The last chunk's saves from the cross entropy on: its fp32 softmax over this rank's vocabulary,
-    its target mask (bool) and local targets (int64), and the loss mask (fp32)."""
+    its target mask (bool) and local targets (int64), and the loss mask (fp32). The fused loss
+    (--cross-entropy-loss-fusion) keeps token-sized tensors only: each token's max (fp32) and the
+    storage its sum shares with the target logits (2 fp32), beside the same targets, mask and loss mask."""
     t = x.tokens
+    if x.m.cross_entropy_loss_fusion:
+        return t * (4 + 8) + t * (1 + 8) + t * 4
     return t * vocab_per_rank(x) * 4 + t * (1 + 8) + t * 4
 
 
@@ -198,8 +202,9 @@ def deferred_wgrad_bytes(x: Shape, num_microbatches: int) -> int:
         return 0
     n = min(m.wgrad_deferral_limit or num_microbatches, num_microbatches)
     inputs = n - 1 if n == num_microbatches else n
-    vocab = vocab_per_rank(x)
-    return inputs * x.norm_tokens * m.hidden_size * x.elt + n * x.tokens * vocab * x.elt
+    # Fused loss: no output gradient, but each token's max and sum, targets, hits and loss gradient.
+    per_microbatch = x.tokens * 28 if m.cross_entropy_loss_fusion else x.tokens * vocab_per_rank(x) * x.elt
+    return inputs * x.norm_tokens * m.hidden_size * x.elt + n * per_microbatch
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,37 @@ def loss_forward_extra(x: Shape) -> int:
     return t * vocab * x.elt + upcast
 
 
+def fused_chunk_tokens(x: Shape) -> int:
+    """The fused loss's rows per chunk: the flag's, else the device's default."""
+    from megatron_lite.core.fusions.fused_linear_cross_entropy import default_chunk_tokens
+
+    chunk = x.m.cross_entropy_fusion_chunk_tokens or default_chunk_tokens(vocab_per_rank(x), x.device)
+    return min(chunk, x.tokens)
+
+
+def fused_loss_forward_extra(x: Shape) -> int:
+    """The fused loss's forward, at a chunk's shift: under SP the gathered input t h e, one chunk's
+    logits C V' e and their fp32 upcast, and the token-sized results being filled (max, sum, target
+    logit: fp32; local targets int64; the mask)."""
+    m, t, e, chunk = x.m, x.tokens, x.elt, fused_chunk_tokens(x)
+    vocab = vocab_per_rank(x)
+    gathered = t * m.hidden_size * e if m.sequence_parallel else 0
+    return gathered + chunk * vocab * e + (chunk * vocab * 4 if e != 4 else 0) + t * (12 + 8 + 1)
+
+
+def fused_output_backward_extra(x: Shape) -> int:
+    """The fused loss's backward: the input gradient t h e, the weight gradient V' h e, under SP the
+    re-gathered input t h e, the targets' hits (fp32), and at its largest either a chunk's fp32 softmax
+    beside its logits or its cast back (C V' (4 + e); fp32: one buffer), or under SP the input
+    gradient's reduce-scatter (a copy t h e and this rank's share t' h e)."""
+    m, t, e, h, chunk = x.m, x.tokens, x.elt, x.m.hidden_size, fused_chunk_tokens(x)
+    vocab = vocab_per_rank(x)
+    base = t * h * e + vocab * h * e + t * 4 + (t * h * e if m.sequence_parallel else 0)
+    per_chunk = chunk * vocab * (e + 4 if e != 4 else 4) + chunk * 8  # the GEMM's output or the cast
+    scatter = t * h * e + x.norm_tokens * h * e if m.sequence_parallel else 0
+    return base + max(per_chunk, scatter)
+
+
 def output_backward_extra(x: Shape) -> int:
     """The output layer's backward: input gradient, the re-gathered input under SP, weight gradient."""
     m, t, e = x.m, x.tokens, x.elt
@@ -86,11 +117,16 @@ def chunk_transients(x: Shape, chunk: ChunkActivations, post: bool) -> ChunkTran
     layer = layer_backward_extra(x) if chunk.layers else 0
     if not post:
         return ChunkTransients((chunk.kept, chunk.kept), (chunk.peak + layer, chunk.peak))
+    fused = x.m.cross_entropy_loss_fusion
     before_loss = chunk.kept - loss_saves(x)
-    forward = max((before_loss + loss_forward_extra(x), before_loss), (chunk.kept, chunk.kept))
+    loss_extra = fused_loss_forward_extra(x) if fused else loss_forward_extra(x)
+    forward = max((before_loss + loss_extra, before_loss), (chunk.kept, chunk.kept))
     # After the output layer's backward its saves are gone; recomputation then re-saves a unit.
     after_output = chunk.peak if chunk.peak > chunk.kept else chunk.kept - chunk.output
-    output = (chunk.kept + output_backward_extra(x), before_loss)  # the softmax is the gradient now
+    if fused:
+        output = (chunk.kept + fused_output_backward_extra(x), chunk.kept)
+    else:
+        output = (chunk.kept + output_backward_extra(x), before_loss)  # the softmax is the gradient now
     return ChunkTransients(forward, max(output, (after_output + layer, after_output)))
 
 

@@ -19,10 +19,9 @@ class LanguageModule(nn.Module):
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy, [b, s], from ``labels`` [b, s] and ``logits`` [s, b, vocab / tp].
-        Collective over ``self.tp_group``. The fused kernels (``cross_entropy_loss_fusion``) are not
-        supported, so it always takes the vocab-parallel path."""
-        if getattr(self.config, "cross_entropy_loss_fusion", False):
-            raise NotImplementedError("cross_entropy_loss_fusion is not supported by megatron_lite")
+        Collective over ``self.tp_group``. With ``cross_entropy_loss_fusion`` the loss is computed with
+        the output layer, never from whole logits (GPTModel.forward, fusions/fused_linear_cross_entropy):
+        given logits, this takes the vocab-parallel path."""
         loss = tensor_parallel.vocab_parallel_cross_entropy(
             logits, labels.transpose(0, 1).contiguous(), tp_group=self.tp_group
         )

@@ -1,0 +1,199 @@
+"""The output layer and the vocab-parallel cross entropy in one, over chunks of tokens
+(``--cross-entropy-loss-fusion``, ``--cross-entropy-fusion-impl native``).
+
+Unfused, the last stage materialises the logits ``[s, b, V/tp]`` (and their fp32 copy, saved as the
+softmax until backward): at a 128k-256k vocabulary the largest tensors of the whole job. Here no
+``[tokens, V/tp]`` tensor exists beyond one chunk of ``chunk_tokens`` rows:
+
+- forward, per chunk: the chunk's logits (one GEMM), and per token this rank's max, the sum of the
+  exponentials shifted by it and the target's logit when the target is in this rank's vocabulary
+  slice: the unfused path's ops on the chunk's rows. Then, for all tokens at once, a MAX over the
+  tensor-parallel group (each rank's sums rescaled to the largest max) and one SUM of the sums and
+  target logits. Saved: the input, the per-token max and sum (fp32) and the targets.
+- backward, per chunk: the chunk's logits again (the one GEMM more this costs), its softmax from the
+  saved max and sum, minus one at the target, times the loss gradient: the chunk's logits gradient,
+  cast to the weight's dtype as the unfused path's ``.float()`` backward does; then its input gradient
+  (written into its rows) and its weight gradient, accumulated in place into one weight-sized buffer
+  (the unfused path's wgrad GEMM output).
+
+Under sequence parallelism the layer keeps its sequence shard, gathers it for the GEMMs in each
+direction and reduce-scatters the input gradient, as ``LinearWithGradAccumulationAndAsyncCommunication``;
+without it the caller copies the input into the tensor-parallel region (its backward all-reduces).
+With ``--defer-embedding-wgrad-compute`` the weight gradient waits for the pipeline flush as the
+unfused layer's does, but what waits is token-sized (each microbatch's log-sum-exps, targets and loss
+gradients, beside the input the layer keeps): ``drain_wgrad`` runs the chunks again then.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.core.tensor_parallel.linear_wgrad import defers_wgrad
+from megatron_lite.core.tensor_parallel.mappings import _gather, _reduce_scatter
+from megatron_lite.core.tensor_parallel.utils import VocabUtility
+from megatron_lite.core.utils import get_pg_rank, get_pg_size
+
+# fp32 bytes of one chunk's logits when the chunk size is left to the device: the chunk's buffers (the
+# logits, their fp32 copy, the gradient's cast) stay near this, small beside a layer's activations.
+CHUNK_BUDGET_BYTES = {"cuda": 64 << 20, "cpu": 32 << 20}
+
+
+def default_chunk_tokens(vocab_per_rank: int, device_type: str) -> int:
+    """Tokens per chunk for a device: its budget's worth of fp32 logits rows, at least one."""
+    budget = CHUNK_BUDGET_BYTES.get(device_type, CHUNK_BUDGET_BYTES["cuda"])
+    return max(1, budget // (4 * vocab_per_rank))
+
+
+def _all_reduce(x: torch.Tensor, op, group) -> None:
+    if group is not None and get_pg_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Per-token loss [N] (fp32) of ``input @ weight.T`` against ``target`` [N], the vocabulary split
+    over ``tp_group``. Collective over ``tp_group`` in forward (and in backward under SP)."""
+
+    @staticmethod
+    def forward(
+        ctx, input_, weight, target, tp_group, sequence_parallel: bool, chunk_tokens: int,
+        grad_output_buffer=None, wgrad_deferral_limit: int = 0,
+    ):  # fmt: skip
+        total = _gather(input_, tp_group, 0) if sequence_parallel else input_
+        x = total.reshape(-1, total.size(-1))
+        vocab = weight.size(0)
+        first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            vocab, get_pg_rank(tp_group), get_pg_size(tp_group)
+        )
+        target = target.reshape(-1)
+        outside = (target < first) | (target >= last)
+        local_target = (target - first).masked_fill(outside, 0)
+        top = torch.empty(x.size(0), dtype=torch.float32, device=x.device)
+        total_exp = torch.empty_like(top)
+        predicted = torch.empty_like(top)
+        for start in range(0, x.size(0), chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            # The unfused path's ops on the chunk's rows: its GEMM, upcast, max, shift, exp and sum.
+            logits = torch.mm(x[rows], weight.t()).float()
+            predicted[rows] = logits.gather(1, local_target[rows].unsqueeze(1)).squeeze(1)
+            top[rows] = logits.amax(dim=-1)
+            total_exp[rows] = logits.sub_(top[rows].unsqueeze(1)).exp_().sum(dim=-1)
+            del logits
+        if get_pg_size(tp_group) > 1:  # each rank's sums rescaled to the largest max of all ranks
+            local_top = top.clone()
+            _all_reduce(top, dist.ReduceOp.MAX, tp_group)
+            total_exp.mul_((local_top - top).exp_())
+        predicted = (predicted - top).masked_fill_(outside, 0.0)
+        sums = torch.stack([total_exp, predicted])
+        _all_reduce(sums, dist.ReduceOp.SUM, tp_group)
+        total_exp, predicted = sums[0], sums[1]
+        loss = torch.log(total_exp) - predicted
+        ctx.save_for_backward(input_, weight, top, total_exp, local_target, outside)
+        ctx.tp_group, ctx.sequence_parallel, ctx.chunk_tokens = tp_group, sequence_parallel, chunk_tokens
+        ctx.grad_output_buffer, ctx.wgrad_deferral_limit = grad_output_buffer, wgrad_deferral_limit
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        input_, weight, top, total_exp, local_target, outside = ctx.saved_tensors
+        group, sp, chunk = ctx.tp_group, ctx.sequence_parallel, ctx.chunk_tokens
+        total = _gather(input_, group, 0) if sp else input_
+        x = total.reshape(-1, total.size(-1))
+        grad_x = torch.empty_like(x)
+        hit = 1.0 - outside.float()
+        deferred = defers_wgrad(ctx.grad_output_buffer, ctx.wgrad_deferral_limit)
+        grad_weight = None if deferred else torch.zeros_like(weight)
+        stats = (top, total_exp)
+        for start in range(0, x.size(0), chunk):
+            rows = slice(start, start + chunk)
+            grad = _logits_grad(x[rows], weight, stats, rows, local_target, hit, grad_loss)
+            torch.mm(grad, weight, out=grad_x[rows])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t(), x[rows])
+            del grad  # one chunk's buffers at a time
+        if deferred:  # drain_wgrad calls it with the re-gathered input at the flush
+            ctx.grad_output_buffer.append(
+                _DeferredWgrad(weight, stats, local_target, hit, grad_loss.clone(), chunk)
+            )
+        grad_x = grad_x.view_as(total)
+        if sp:
+            grad_x = _reduce_scatter(grad_x, group, 0)
+        return grad_x, grad_weight, None, None, None, None, None, None
+
+
+def _logits_grad(x_rows, weight, stats, rows: slice, local_target, hit, grad_loss) -> torch.Tensor:
+    """One chunk's logits gradient in the weight's dtype: the softmax from the saved max and sum (the
+    unfused path's ops), less one at this rank's targets, times the loss gradient. Its fp32 buffer
+    is freed on return when the cast makes a new one."""
+    top, total_exp = stats
+    grad = torch.mm(x_rows, weight.t()).float().sub_(top[rows].unsqueeze(1)).exp_()
+    grad.div_(total_exp[rows].unsqueeze(1))
+    grad[torch.arange(grad.size(0), device=grad.device), local_target[rows]] -= hit[rows]
+    return grad.mul_(grad_loss[rows].unsqueeze(1)).to(weight.dtype)
+
+
+class _DeferredWgrad:
+    """A microbatch's output-layer weight gradient, computed when called with its (gathered) input."""
+
+    def __init__(self, weight, stats, local_target, hit, grad_loss, chunk: int):
+        self.parts = (weight, stats, local_target, hit, grad_loss, chunk)
+
+    def __call__(self, total_input: torch.Tensor) -> torch.Tensor:
+        weight, stats, local_target, hit, grad_loss, chunk = self.parts
+        x = total_input.reshape(-1, total_input.size(-1))
+        grad_weight = torch.zeros_like(weight)
+        for start in range(0, x.size(0), chunk):
+            rows = slice(start, start + chunk)
+            grad = _logits_grad(x[rows], weight, stats, rows, local_target, hit, grad_loss)
+            grad_weight.addmm_(grad.t(), x[rows])
+            del grad
+        return grad_weight
+
+
+def linear_cross_entropy(
+    input_: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    tp_group=None,
+    sequence_parallel: bool = False,
+    chunk_tokens: int | None = None,
+    grad_output_buffer: list | None = None,
+    wgrad_deferral_limit: int = 0,
+) -> torch.Tensor:
+    """Per-token loss with ``target``'s shape, fp32, of the output layer ``input_ @ weight.T`` (input
+    [s, b, h], this rank's sequence shard under ``sequence_parallel``; weight [V/tp, h]) and the
+    vocab-parallel cross entropy, never holding more than ``chunk_tokens`` rows of logits (None: the
+    device's default). With a ``grad_output_buffer`` the weight gradient is deferred as
+    ``linear_wgrad``'s. Collective over ``tp_group``; the caller copies a non-SP input into the
+    tensor-parallel region."""
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(weight.size(0), input_.device.type)
+    loss = LinearCrossEntropy.apply(
+        input_, weight, target, tp_group, sequence_parallel, chunk_tokens, grad_output_buffer,
+        wgrad_deferral_limit,
+    )  # fmt: skip
+    return loss.view_as(target)
+
+
+def output_layer_cross_entropy(
+    layer, input_: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """What ``layer(input_, weight)`` then ``vocab_parallel_cross_entropy`` give, fused: ``layer`` is the
+    output ``ColumnParallelLinear`` (its groups, sequence parallelism and wgrad deferral), ``target``
+    [s, b]. Collective over the layer's tensor-parallel group."""
+    from megatron_lite.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    weight = layer.weight if weight is None else weight
+    if layer.bias is not None or layer.gather_output or layer.explicit_expert_comm:
+        raise NotImplementedError("the fused loss is the output layer's: no bias, no gather, no experts")
+    sp = layer.sequence_parallel
+    input_parallel = input_ if sp else copy_to_tensor_model_parallel_region(input_, layer.tp_group)
+    buffer, limit = None, layer.config.wgrad_deferral_limit
+    if layer.deferring_wgrad(weight):
+        if defers_wgrad(layer.embedding_activation_buffer, limit):
+            layer.embedding_activation_buffer.append(input_parallel.detach())  # values only, as unfused
+        buffer = layer.grad_output_buffer
+    return linear_cross_entropy(
+        input_parallel, weight, target, layer.tp_group, sp, chunk_tokens, buffer, limit
+    )
