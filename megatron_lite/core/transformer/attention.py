@@ -79,6 +79,11 @@ class SelfAttention(nn.Module):
         if rotary_pos_emb is not None:
             q = apply_rotary_pos_emb(q, rotary_pos_emb, self.config)
             k = apply_rotary_pos_emb(k, rotary_pos_emb, self.config)
+        if rotary_pos_emb is not None or self.heads_per_group > 1:
+            # q is a copy (rotated, or regrouped by the reshape): k and v become copies too, so the
+            # QKV output is freed rather than kept for their views, as TE's attention does
+            # (megatron-core's TEDotProductAttention makes all three contiguous then).
+            k, v = k.contiguous(), v.contiguous()
         # -> [b, heads, s, d] for the attention kernel
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if self.checkpoint_core_attention and self.training:

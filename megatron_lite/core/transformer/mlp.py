@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_lite.core.fusions.fused_bias_swiglu import fuses, swiglu
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 
@@ -52,7 +53,9 @@ class MLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         intermediate, _ = self.linear_fc1(hidden_states)
-        if self.config.gated_linear_unit:
+        if fuses(self.config):  # SwiGLU saving only fc1's output, as megatron-core's fused function
+            intermediate = swiglu(intermediate)
+        elif self.config.gated_linear_unit:
             gate, value = intermediate.chunk(2, dim=-1)
             intermediate = self.activation_func(gate) * value
         else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core import parallel_state
@@ -91,7 +90,10 @@ class TransformerLayer(nn.Module):
         # differ per rank, so they take the per-rank stream.
         fork = get_cuda_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
         with fork:
-            return F.dropout(x, p=p, training=True)
+            # The fused dropout CUDA runs for F.dropout and megatron-core's fused bias-dropout-add:
+            # its bool mask is what backward keeps (1 byte an element; F.dropout on the CPU keeps a
+            # scaled copy in the activations' dtype). The same random draws as F.dropout's.
+            return torch.native_dropout(x, p, True)[0]
 
     def forward(
         self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.core.fusions.fused_bias_swiglu import fuses, weighted_swiglu
 from megatron_lite.core.tensor_parallel.utils import init_partition_, set_tensor_model_parallel_attributes
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 from megatron_lite.core.utils import fake_world_backend, seeded_init
@@ -185,6 +186,8 @@ class _ExpertsBase(nn.Module):
 
     def activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The activation (gated: act(gate) * value), then each row times its routing probability."""
+        if fuses(self.config):  # saving only fc1's output and the probabilities, as megatron-core's
+            return weighted_swiglu(intermediate, probs.unsqueeze(-1).to(intermediate.dtype))
         if self.config.gated_linear_unit:
             gate, value = intermediate.chunk(2, dim=-1)
             intermediate = self.config.activation_func(gate) * value

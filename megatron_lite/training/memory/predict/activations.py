@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_lite.core.fusions.fused_bias_swiglu import fuses
 from megatron_lite.core.pipeline_parallel.interleaved import get_pp_rank_microbatches, get_schedule_table
 from megatron_lite.core.transformer.dot_product_attention import keeps_probabilities
 from megatron_lite.training.memory.predict.moe import is_moe, moe_mlp_saves
@@ -72,10 +73,13 @@ def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
     b = x.batch
     rope = m.position_embedding_type == "rope"
     mixed = {"qkv.output": t * (heads + 2 * groups) * d * e}
-    # q is a view of the QKV output unless rotated or regrouped (GQA's reshape copies); k unless rotated.
-    q = {"q": t * heads * d * e} if rope or heads != groups else mixed
-    k = {"k": t * groups * d * e} if rope else mixed
-    inputs = {**q, **k, **mixed}  # v is always a view of the QKV output
+    # q, k and v are views of the QKV output, unless q is rotated or regrouped (GQA's reshape copies):
+    # then all three are copies and the QKV output is freed (attention.py).
+    if rope or heads != groups:
+        q, k, v = {"q": t * heads * d * e}, {"k": t * groups * d * e}, {"v": t * groups * d * e}
+    else:
+        q = k = v = mixed
+    inputs = {**q, **k, **v}
     out = {"core_attention.output": t * heads * d * e}
     if keeps_probabilities(m.attention_dropout, cp > 1, heads != groups, e == 2, x.device):
         # PyTorch's math path: scaled q and k, softmax, dropout mask and dropped probabilities, v
@@ -88,7 +92,7 @@ def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
             "dropout.mask": probs,
             "dropout.output": probs,
         }
-        core.update(mixed if heads == groups and cp == 1 else {"v.expanded": b * heads * x.seq * d * e})
+        core.update(v if heads == groups and cp == 1 else {"v.expanded": b * heads * x.seq * d * e})
         return inputs, core, {"linear_proj.input": t * heads * d * e}
     # A fused kernel (the CPU's flash; CUDA's flash or memory-efficient one, which apply dropout inside
     # themselves): q, k, v, its output and the log-sum-exp (fp32).
@@ -97,7 +101,7 @@ def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
         core.update({"k.gathered": b * groups * x.seq * d * e, "v.gathered": b * groups * x.seq * d * e})
         core["cp.mask"] = x.local_seq * x.seq * e
     else:
-        core.update({**k, **mixed})
+        core.update({**k, **v})
     return inputs, core, out
 
 
@@ -118,7 +122,7 @@ def layer_saves(x: Shape, selective: bool = True, moe: bool = False) -> dict[str
     else:
         saves.update({**core, **proj})
     if m.hidden_dropout > 0.0:
-        saves["attention.dropout.mask"] = tn * h * e
+        saves["attention.dropout.mask"] = tn * h  # a bool mask (native_dropout)
     saves.update(_norm_saves(x, "pre_mlp_layernorm"))
     saves["linear_fc1.input"] = tn * h * e  # a MoE layer's router input: the same storage
     if moe:
@@ -126,11 +130,11 @@ def layer_saves(x: Shape, selective: bool = True, moe: bool = False) -> dict[str
     elif not (sel and "mlp" in m.recompute_modules):
         ffn = m.ffn_hidden_size // tp
         saves["linear_fc1.output"] = t * ffn * (2 if m.gated_linear_unit else 1) * e  # the activation's input
-        if m.gated_linear_unit:
+        if m.gated_linear_unit and not fuses(m):
             saves["activation.output"] = t * ffn * e  # act(gate), saved by the product with value
         saves["linear_fc2.input"] = t * ffn * e
     if m.hidden_dropout > 0.0:
-        saves["mlp.dropout.mask"] = tn * h * e
+        saves["mlp.dropout.mask"] = tn * h
     return saves
 
 

@@ -25,7 +25,8 @@ unused values); a capacity factor's mask T E 1 (its sort's indices go with the u
 dispatcher's sorted (expert, token) indices 16 P (16 R for all-gather, which sorts only the local
 experts' pairs); the experts' input R h e (the grouped GEMM keeps its weights, not the stacked copy it
 reads), fc1's output R F1 e, the activation
-(gated: act(gate) and its product with value R f e each, else R f e), the probabilities R e and
+(SwiGLU, fused: nothing more; another gated one: act(gate) and its product with value R f e each,
+else R f e), the probabilities R e and
 fc2's input R f e; with biases the grouped path's row-to-expert index R 8 twice and the fc2 bias
 rows R h e; the combine's index_add keeps its source (P h e after the all-to-all, R h e for
 all-gather). The shared expert saves a dense MLP's tensors (and with its gate T e + T h e).
@@ -33,6 +34,7 @@ all-gather). The shared expert saves a dense MLP's tensors (and with its gate T 
 
 from __future__ import annotations
 
+from megatron_lite.core.fusions.fused_bias_swiglu import fuses
 from megatron_lite.core.transformer.moe.moe_layer import moe_layer_pattern
 from megatron_lite.core.transformer.moe.moe_utils import get_capacity
 
@@ -152,14 +154,15 @@ def moe_mlp_saves(x, routing: str = "balanced") -> dict[str, float]:
         saves["experts.bias"] = rows * 16 + rows * h * e
     saves["experts.input"] = rows * h * e
     saves["experts.fc1.output"] = rows * f * (2 if gated else 1) * e
-    saves["experts.activation"] = rows * f * e * (2 if gated else 1)
+    # Fused SwiGLU (fusions/fused_bias_swiglu) saves fc1's output and the probabilities only.
+    saves["experts.activation"] = 0 if fuses(m) else rows * f * e * (2 if gated else 1)
     saves["experts.probs"] = rows * e
     saves["experts.fc2.input"] = rows * f * e
     saves["combine.source"] = (rows if allgather else pairs) * h * e
     if shared := m.moe_shared_expert_intermediate_size:
         width = shared // m.tensor_model_parallel_size
         saves["shared.fc1.output"] = x.tokens * width * (2 if gated else 1) * e
-        if gated:
+        if gated and not fuses(m):
             saves["shared.activation.output"] = x.tokens * width * e
         saves["shared.fc2.input"] = x.tokens * width * e
         if m.moe_shared_expert_gate:

@@ -29,8 +29,9 @@ TP rank (fc1 2f when gated) and the CPU flash attention kernel:
   each) and the additive mask (s/cp s e); with attention dropout the math path's scaled q and k, the
   probabilities, dropout mask and dropped probabilities (3 b a (s/cp) s e) and a copy of the output;
 - pre_mlp_layernorm like the first norm, linear_fc1's input t'h e, the activation's input (fc1's
-  output, t f e, 2t f e when gated), act(gate) t f e when gated, linear_fc2's input t f e;
-- hidden dropout masks t'h e twice (CPU's float masks); residual adds and the TP/SP mappings save nothing.
+  output, t f e, 2t f e when gated), act(gate) t f e when gated but not SwiGLU (fused:
+  fusions/fused_bias_swiglu.py), linear_fc2's input t f e;
+- hidden dropout masks t'h twice (native_dropout's bool masks, as CUDA's); residual adds and the TP/SP mappings save nothing.
 
 Without dropout, GQA or rope, and with f = 4h/tp, that is s b h e (4 + 12/tp) + 4 s b (e + a) per layer
 (16 s b h e / tp under SP): Korthikanti et al.'s sbh(34 + 5as/h) bytes for 2-byte elements also count
