@@ -24,15 +24,13 @@ def _report(message: str) -> None:
 
 def worker_main(argv: list[str]) -> int:
     from megatron_lite.training.arguments import parse_args
-    from megatron_lite.training.utils.sig_utils import exit_promptly_on, raise_exit
+    from megatron_lite.training.utils.sig_utils import exit_promptly_on
 
     config = parse_args(argv)
-    stop = {signal.SIGINT}  # with --exit-signal-handler, SIGTERM asks the loop to save and exit 0
-    if not config.train.exit_signal_handler:
-        signal.signal(signal.SIGTERM, raise_exit)
-        stop.add(signal.SIGTERM)
-    # Also while blocked in C++ (a rendezvous store that never answers), where no handler runs, and
-    # whatever dispositions this process inherited (SIGINT ignored in a shell's background job).
+    # With --exit-signal-handler, SIGTERM asks the loop to save and exit 0 instead.
+    stop = {signal.SIGINT} if config.train.exit_signal_handler else {signal.SIGINT, signal.SIGTERM}
+    # Each gets a handler that unwinds (KeyboardInterrupt, SystemExit(128 + n)) whatever this process
+    # inherited (SIGINT ignored in a shell's background job), and ends it also while blocked in C++.
     exit_promptly_on(stop)
 
     from megatron_lite.core.datasets.utils import DataFileError

@@ -18,7 +18,8 @@ from megatron_lite.core.tensor_parallel.random import model_parallel_cuda_manual
 from megatron_lite.core.transformer.transformer_layer import TransformerLayer
 from megatron_lite.models.gpt_provider import GPTModelProvider
 from megatron_lite.training.arguments import parse_args
-from megatron_lite.training.memory.predict.activations import Shape, layer_saves, schedule_events
+from megatron_lite.training.memory.predict.activations import Shape, layer_saves
+from megatron_lite.training.memory.predict.schedule import schedule_events
 from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 from megatron_lite.training.memory.saved_tensors import ActivationMemoryTracker
 

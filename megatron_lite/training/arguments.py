@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from megatron_lite.core.activations import openai_gelu, squared_relu
 from megatron_lite.training.checkpointing.checkpoint_args import model_from_checkpoint
 from megatron_lite.training.config import ConfigContainer, ConfigError
-from megatron_lite.training.config.flags import FLAGS, PROFILING_FLAGS, UNSUPPORTED_FLAGS
+from megatron_lite.training.config.flags import FLAGS, UNSUPPORTED_FLAGS
+from megatron_lite.training.config.logging_flags import PROFILING_FLAGS
 from megatron_lite.training.config.profiling import ProfilingConfig
 from megatron_lite.training.config.ranges import check_parsed_flags
 from megatron_lite.training.data_arguments import dataset_from_args, prepare_dataset_section

@@ -29,8 +29,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core.tensor_parallel.cross_entropy import _all_reduce
 from megatron_lite.core.tensor_parallel.linear_wgrad import defers_wgrad
-from megatron_lite.core.tensor_parallel.mappings import _gather, _reduce_scatter
+from megatron_lite.core.tensor_parallel.mappings import (
+    _gather,
+    _reduce_scatter,
+    copy_to_tensor_model_parallel_region,
+)
 from megatron_lite.core.tensor_parallel.utils import VocabUtility
 from megatron_lite.core.utils import get_pg_rank, get_pg_size
 
@@ -43,11 +48,6 @@ def default_chunk_tokens(vocab_per_rank: int, device_type: str) -> int:
     """Tokens per chunk for a device: its budget's worth of fp32 logits rows, at least one."""
     budget = CHUNK_BUDGET_BYTES.get(device_type, CHUNK_BUDGET_BYTES["cuda"])
     return max(1, budget // (4 * vocab_per_rank))
-
-
-def _all_reduce(x: torch.Tensor, op, group) -> None:
-    if group is not None and get_pg_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -182,8 +182,6 @@ def output_layer_cross_entropy(
     """What ``layer(input_, weight)`` then ``vocab_parallel_cross_entropy`` give, fused: ``layer`` is the
     output ``ColumnParallelLinear`` (its groups, sequence parallelism and wgrad deferral), ``target``
     [s, b]. Collective over the layer's tensor-parallel group."""
-    from megatron_lite.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
     weight = layer.weight if weight is None else weight
     if layer.bias is not None or layer.gather_output or layer.explicit_expert_comm:
         raise NotImplementedError("the fused loss is the output layer's: no bias, no gather, no experts")

@@ -99,12 +99,15 @@ class DotProductAttention(nn.Module):
             key_pos = torch.cat([cp_positions(seq, r, cp_size, device=q.device) for r in range(cp_size)])
             mask, causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1), False
         gqa = k.size(1) != q.size(1)
-        fused_stand_in = _FUSED_DROPOUT_STAND_IN[0] and not keeps_probabilities(
-            dropout_p, mask is not None, gqa, q.dtype in (torch.bfloat16, torch.float16), "cuda"
+        half = q.dtype in (torch.bfloat16, torch.float16)
+        fused_stand_in = (
+            _FUSED_DROPOUT_STAND_IN[0]
+            and dropout_p > 0.0
+            and not keeps_probabilities(dropout_p, mask is not None, gqa, half, "cuda")
         )
         # Each TP rank holds different heads, so their dropout masks come from the per-rank stream.
         with get_cuda_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext():
-            if fused_stand_in and dropout_p > 0.0:
+            if fused_stand_in:
                 return _fused_with_dropout(q, k, v, mask, dropout_p, causal)
             return F.scaled_dot_product_attention(
                 q,

@@ -7,158 +7,10 @@ holds each numeric flag's allowed values, checked first by ``ConfigContainer.val
 
 from __future__ import annotations
 
+from megatron_lite.training.config.data_flags import DATA_FLAGS
+from megatron_lite.training.config.logging_flags import LOGGING_FLAGS
 from megatron_lite.training.config.moe_flags import MOE_FLAGS
-
-# Megatron-LM's parallel-layout flags (tensor, pipeline, context, virtual pipeline, the layer split and the
-# last stage's wgrad deferral); a field of None is mapped by arguments.virtual_pipeline_from_args.
-PARALLEL_FLAGS: list[tuple[str, str, str | None, object, str]] = [
-    ("--tensor-model-parallel-size", "model", "tensor_model_parallel_size", int, "Tensor-parallel size."),
-    (
-        "--pipeline-model-parallel-size",
-        "model",
-        "pipeline_model_parallel_size",
-        int,
-        "Pipeline-parallel size.",
-    ),
-    ("--context-parallel-size", "model", "context_parallel_size", int, "Context-parallel size."),
-    (
-        "--virtual-pipeline-model-parallel-size",
-        "model",
-        "virtual_pipeline_model_parallel_size",
-        int,
-        "Model chunks per pipeline rank (interleaved 1F1B).",
-    ),
-    (
-        "--num-layers-per-virtual-pipeline-stage",
-        "model",
-        None,
-        int,
-        "Layers per model chunk, the embedding and loss counted when accounted for in the split "
-        "(sets --virtual-pipeline-model-parallel-size).",
-    ),
-    (
-        "--num-virtual-stages-per-pipeline-rank",
-        "model",
-        None,
-        int,
-        "Model chunks per pipeline rank (sets --virtual-pipeline-model-parallel-size).",
-    ),
-    (
-        "--pipeline-model-parallel-layout",
-        "model",
-        "pipeline_model_parallel_layout",
-        str,
-        "Every stage's layers, e.g. 'Ett|(tt|)*2,tL': E embedding, t layer, L loss, | between stages "
-        "(sets --virtual-pipeline-model-parallel-size).",
-    ),
-    (
-        "--decoder-first-pipeline-num-layers",
-        "model",
-        "num_layers_in_first_pipeline_stage",
-        int,
-        "Transformer layers on the first pipeline stage (default: an even split).",
-    ),
-    (
-        "--decoder-last-pipeline-num-layers",
-        "model",
-        "num_layers_in_last_pipeline_stage",
-        int,
-        "Transformer layers on the last pipeline stage (default: an even split).",
-    ),
-    (
-        "--account-for-embedding-in-pipeline-split",
-        "model",
-        "account_for_embedding_in_pipeline_split",
-        "store_true",
-        "Count the embedding as a layer when splitting the layers over stages.",
-    ),
-    (
-        "--account-for-loss-in-pipeline-split",
-        "model",
-        "account_for_loss_in_pipeline_split",
-        "store_true",
-        "Count the loss as a layer when splitting the layers over stages.",
-    ),
-    (
-        "--defer-embedding-wgrad-compute",
-        "model",
-        "defer_embedding_wgrad_compute",
-        "store_true",
-        "Run the last stage's output-layer weight-gradient GEMMs at the pipeline flush.",
-    ),
-    (
-        "--cross-entropy-loss-fusion",
-        "model",
-        "cross_entropy_loss_fusion",
-        "store_true",
-        "The output layer and the cross entropy over chunks of tokens: no [s, b, vocab/tp] logits.",
-    ),
-    (
-        "--cross-entropy-fusion-impl",
-        "model",
-        "cross_entropy_fusion_impl",
-        str,
-        "native (chunked, megatron_lite's); te is not supported.",
-    ),
-    (
-        "--cross-entropy-fusion-chunk-tokens",
-        "model",
-        "cross_entropy_fusion_chunk_tokens",
-        int,
-        "Tokens per chunk of the fused loss (default: the device's).",
-    ),
-    (
-        "--wgrad-deferral-limit",
-        "model",
-        "wgrad_deferral_limit",
-        int,
-        "Microbatches whose output-layer wgrad is deferred (0: all).",
-    ),
-    (
-        "--microbatch-group-size-per-virtual-pipeline-stage",
-        "model",
-        "microbatch_group_size_per_vp_stage",
-        int,
-        "Consecutive microbatches per chunk (default: pp).",
-    ),
-]
-
-# Megatron-LM's data and tokenizer flags; a field of None is mapped by data_arguments.dataset_from_args.
-DATA_FLAGS: list[tuple[str, str, str | None, object, str]] = [
-    ("--mock-data", "dataset", None, "store_true", "Synthetic data (the default without --data-path)."),
-    ("--data-path", "dataset", "data_path", "+", "Prefixes, optionally weighted: 0.3 A 0.7 B, or A B."),
-    ("--split", "dataset", "split", str, "Train,valid,test weights of --data-path (default: 969,30,1)."),
-    ("--train-data-path", "dataset", None, "+", "Training blend (instead of --data-path and --split)."),
-    ("--valid-data-path", "dataset", None, "+", "Validation blend (with --train-data-path)."),
-    ("--test-data-path", "dataset", None, "+", "Test blend (with --train-data-path)."),
-    ("--data-cache-path", "dataset", "path_to_cache", str, "Index cache (default: <prefix>/cache/)."),
-    (
-        "--num-workers",
-        "dataset",
-        "num_workers",
-        int,
-        "Data-loader worker processes per iterator (default: 2, as upstream; mock data: 0).",
-    ),
-    ("--eod-mask-loss", "dataset", "eod_mask_loss", "store_true", "No loss on end-of-document tokens."),
-    (
-        "--reset-position-ids",
-        "dataset",
-        "reset_position_ids",
-        "store_true",
-        "Restart position ids after each end-of-document token.",
-    ),
-    (
-        "--reset-attention-mask",
-        "dataset",
-        "reset_attention_mask",
-        "store_true",
-        "Block attention across documents (not supported yet).",
-    ),
-    ("--tokenizer-type", "tokenizer", "tokenizer_type", str, "NullTokenizer, GPT2BPETokenizer, ..."),
-    ("--tokenizer-model", "tokenizer", "tokenizer_model", str, "HuggingFaceTokenizer: directory or file."),
-    ("--vocab-file", "tokenizer", "vocab_file", str, "GPT2BPETokenizer: vocab.json."),
-    ("--merge-file", "tokenizer", "merge_file", str, "GPT2BPETokenizer: merges.txt."),
-]
+from megatron_lite.training.config.parallel_flags import PARALLEL_FLAGS
 
 # (flag, section, field, type, help). type is a callable, "store_true", "store_false", "+" (a list of
 # strings) or [callable] (a list of that type); a field of None marks a flag that config_from_args maps
@@ -257,6 +109,27 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "Selective recomputation (--recompute-granularity selective).",
     ),
     (
+        "--cross-entropy-loss-fusion",
+        "model",
+        "cross_entropy_loss_fusion",
+        "store_true",
+        "The output layer and the cross entropy over chunks of tokens: no [s, b, vocab/tp] logits.",
+    ),
+    (
+        "--cross-entropy-fusion-impl",
+        "model",
+        "cross_entropy_fusion_impl",
+        str,
+        "native (chunked, megatron_lite's); te is not supported.",
+    ),
+    (
+        "--cross-entropy-fusion-chunk-tokens",
+        "model",
+        "cross_entropy_fusion_chunk_tokens",
+        int,
+        "Tokens per chunk of the fused loss (default: the device's).",
+    ),
+    (
         "--distribute-saved-activations",
         "model",
         "distribute_saved_activations",
@@ -332,61 +205,7 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     # Data, tokenizer and seeds
     *DATA_FLAGS,
     ("--seed", "rng", "seed", int, "Random seed (weights and data)."),
-    # Logging
-    ("--log-interval", "logger", "log_interval", int, "Iterations between console lines."),
-    ("--log-throughput", "logger", "log_throughput", "store_true", "Print model TFLOP/s per GPU."),
-    (
-        "--log-throughput-to-tensorboard",
-        "logger",
-        "log_throughput_to_tensorboard",
-        "store_true",
-        "Log throughput/* (windowed batches, samples, tokens per second; TFLOP/s) to the loggers.",
-    ),
-    ("--throughput-window-size", "logger", "throughput_window_size", int, "Iterations in the window."),
-    ("--timing-log-level", "logger", "timing_log_level", int, "Timers to log: 0 none, 1 step, 2 all."),
-    ("--log-params-norm", "logger", "log_params_norm", "store_true", "Compute and log the parameter norm."),
-    ("--tensorboard-dir", "logger", "tensorboard_dir", str, "TensorBoard directory."),
-    (
-        "--tensorboard-log-interval",
-        "logger",
-        "tensorboard_log_interval",
-        int,
-        "Iterations between logger writes.",
-    ),
-    ("--tensorboard-queue-size", "logger", "tensorboard_queue_size", int, "SummaryWriter queue size."),
-    ("--log-timers-to-tensorboard", "logger", "log_timers_to_tensorboard", "store_true", "Log timers."),
-    (
-        "--log-memory-to-tensorboard",
-        "logger",
-        "log_memory_to_tensorboard",
-        "store_true",
-        "Log memory: each metric's peak across all pipeline stages.",
-    ),
-    (
-        "--log-memory-per-pp-stage",
-        "logger",
-        "log_memory_per_pp_stage",
-        "store_true",
-        "Also log memory/pp-stage-<i>/<name> for every stage.",
-    ),
-    (
-        "--no-log-loss-scale-to-tensorboard",
-        "logger",
-        "log_loss_scale_to_tensorboard",
-        "store_false",
-        "Do not log the loss scale.",
-    ),
-    ("--wandb-project", "logger", "wandb_project", str, "W&B project."),
-    ("--wandb-exp-name", "logger", "wandb_exp_name", str, "W&B run name."),
-    ("--wandb-save-dir", "logger", "wandb_save_dir", str, "W&B local directory."),
-    ("--wandb-entity", "logger", "wandb_entity", str, "W&B entity."),
-    ("--mlflow-experiment", "logger", "mlflow_experiment", str, "MLflow experiment."),
-    ("--mlflow-run-name", "logger", "mlflow_run_name", str, "MLflow run name."),
-    ("--mlflow-tracking-uri", "logger", "mlflow_tracking_uri", str, "MLflow tracking URI."),
-    ("--comet-project", "logger", "comet_project", str, "Comet project."),
-    ("--comet-experiment-name", "logger", "comet_experiment_name", str, "Comet experiment name."),
-    ("--comet-workspace", "logger", "comet_workspace", str, "Comet workspace."),
-    ("--comet-offline-directory", "logger", "comet_offline_directory", str, "Write Comet offline here."),
+    *LOGGING_FLAGS,
     # Checkpoints
     ("--save", "checkpoint", "save", str, "Checkpoint directory to save to."),
     ("--save-interval", "checkpoint", "save_interval", int, "Iterations between saves."),
@@ -434,18 +253,6 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--nproc-per-node", "dist", "nproc_per_node", int, "Worker processes (default tp x pp x cp)."),
     ("--distributed-backend", "dist", "distributed_backend", str, "gloo or nccl (default: by hardware)."),
     ("--distributed-timeout-minutes", "dist", "distributed_timeout_minutes", int, "Collective timeout."),
-]
-
-# Profiler flags (config.profiling, None unless --profile): (flag, field, type, help).
-PROFILING_FLAGS: list[tuple[str, str, object, str]] = [
-    ("--use-pytorch-profiler", "use_pytorch_profiler", "store_true", "torch.profiler, not Nsight Systems."),
-    ("--profile-step-start", "profile_step_start", int, "Global step to start profiling (default: 10)."),
-    ("--profile-step-end", "profile_step_end", int, "Global step to stop profiling (default: 12)."),
-    ("--profile-ranks", "profile_ranks", "+", "Global ranks to profile (default: 0)."),
-    ("--pytorch-profiler-collect-shapes", "pytorch_profiler_collect_shapes", "store_true", "Record shapes."),
-    ("--pytorch-profiler-collect-callstack", "pytorch_profiler_collect_callstack", "store_true", "Stacks."),
-    ("--pytorch-profiler-collect-chakra", "pytorch_profiler_collect_chakra", "store_true", "Chakra traces."),
-    ("--record-shapes", "record_shapes", "store_true", "Shapes in Nsight Systems' NVTX ranges."),
 ]
 
 # Upstream flags whose features are not built yet: parsed, then refused if given.

@@ -4,7 +4,7 @@ What each op of our model saves is derived in predict/stages.py's docstring; her
 storages (a dict of named byte counts, a storage shared by several saved tensors counted once, as
 the ActivationMemoryTracker counts them). :func:`chunk_activations` gives a chunk-microbatch's kept
 bytes after its forward and the most it holds during its backward (recomputation re-saves one unit);
-:func:`schedule_peak` plays the pipeline schedule's forwards and backwards over them.
+predict/schedule.py plays the pipeline schedule's forwards and backwards over them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lite.core.fusions.fused_bias_swiglu import fuses
-from megatron_lite.core.pipeline_parallel.interleaved import get_pp_rank_microbatches, get_schedule_table
 from megatron_lite.core.transformer.dot_product_attention import keeps_probabilities
 from megatron_lite.training.memory.predict.moe import is_moe, moe_mlp_saves
 
@@ -279,34 +278,3 @@ def chunk_activations(x: Shape, layers: int, pre: bool, post: bool, offset: int 
             held -= unit_input  # the recompute's first norm saves the very storage kept as the input
         peak = max(peak, held)
     return ChunkActivations(layers, kept, peak, emb, out)
-
-
-def schedule_events(num_microbatches: int, vp: int, pp: int, rank: int, group: int) -> list[tuple[str, int]]:
-    """The schedule's forwards and backwards on ``rank`` in order, as ("F" | "B", model chunk): plain
-    1F1B (``vp`` 1) or interleaved, with the same warmup and steady-state order as the schedules."""
-    total, _, warmup, remaining = get_pp_rank_microbatches(num_microbatches, vp, group, pp, rank)
-    if vp == 1:
-        warmup = min(pp - rank - 1, num_microbatches)
-        remaining = num_microbatches - warmup
-    table = get_schedule_table(num_microbatches, vp, group)
-    events = [("F", table[k][1]) for k in range(warmup)]
-    for k in range(warmup, warmup + remaining):
-        events.append(("F", table[k][1]))
-        events.append(("B", vp - 1 - table[k - warmup][1]))
-    events += [("B", vp - 1 - table[k][1]) for k in range(remaining, total)]
-    return events
-
-
-def schedule_peak(events: list[tuple[str, int]], chunks: list[ChunkActivations]) -> tuple[int, int]:
-    """(peak saved bytes, most microbatch-chunks in flight) over the schedule's events."""
-    held = peak = in_flight = most = 0
-    for kind, c in events:
-        if kind == "F":
-            held += chunks[c].kept
-            in_flight += 1
-            peak, most = max(peak, held), max(most, in_flight)
-        else:
-            peak = max(peak, held - chunks[c].kept + chunks[c].peak)
-            held -= chunks[c].kept
-            in_flight -= 1
-    return peak, most

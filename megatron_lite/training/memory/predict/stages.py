@@ -86,16 +86,18 @@ from megatron_lite.training.memory.predict.activations import (
     deferred_wgrad_bytes,
     layer_saves,
     make_shape,
-    schedule_events,
-    schedule_peak,
 )
 from megatron_lite.training.memory.predict.moe import exact_routing
 from megatron_lite.training.memory.predict.params import chunk_bounds, param_memory
+from megatron_lite.training.memory.predict.schedule import (
+    schedule_events,
+    schedule_peak,
+    schedule_peak_allocated,
+)
 from megatron_lite.training.memory.predict.temporaries import (
     chunk_transients,
     optimizer_step_extra,
     received_input_bytes,
-    schedule_peak_allocated,
 )
 from megatron_lite.training.memory.report import gigabytes
 

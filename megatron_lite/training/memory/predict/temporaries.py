@@ -141,31 +141,6 @@ def received_input_bytes(x: Shape, pre: bool, layers: int) -> int:
     return x.norm_tokens * m.hidden_size * x.elt
 
 
-def schedule_peak_allocated(
-    events: list[tuple[str, int]],
-    chunks: list[ChunkActivations],
-    transients: list[ChunkTransients],
-    received: list[int] | None = None,
-) -> tuple[int, int]:
-    """(the most bytes beyond the static ones over the schedule's forwards and backwards, the saved
-    activations then): the saves of the microbatch-chunks in flight (and the received inputs held
-    beside them, ``received`` per chunk) plus the transients of the one running."""
-    received = received or [0] * len(chunks)
-    held = saved = 0
-    peak = (0, 0)
-    for kind, c in events:
-        if kind == "F":
-            instant = transients[c].forward
-            peak = max(peak, (held + received[c] + instant[0], saved + instant[1]))
-            held, saved = held + chunks[c].kept + received[c], saved + chunks[c].kept
-        else:
-            instant = transients[c].backward
-            base, base_saved = held - chunks[c].kept - received[c], saved - chunks[c].kept
-            peak = max(peak, (base + received[c] + instant[0], base_saved + instant[1]))
-            held, saved = base, base_saved
-    return peak
-
-
 def optimizer_step_extra(
     largest_piece: int, total_pieces: int, cloned_grads: int, device_type: str = "cpu"
 ) -> int:
