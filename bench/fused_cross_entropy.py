@@ -79,27 +79,40 @@ LLAMA_70B = (
 def llama_70b() -> None:
     from megatron_lite.training.arguments import config_from_argv
     from megatron_lite.training.memory.dry_run import dry_run_stages
+    from megatron_lite.training.memory.predict import temporaries as temps
     from megatron_lite.training.memory.predict.activations import make_shape, vocab_per_rank
     from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
-    from megatron_lite.training.memory.predict.temporaries import fused_chunk_tokens, loss_forward_extra
 
     print("\nLlama-3-70B-shaped job, last stage (GB, predicted; dry run: measured on fake tensors)")
-    print(f"{'loss':<8} {'logits-sized temporaries':>25} {'temp at peak':>13} {'peak':>7} {'dry run':>8}")
+    print(
+        f"{'loss':<8} {'logits-sized':>12} {'loss + output layer':>19} {'a layer bwd':>11} "
+        f"{'temp at peak':>12} {'peak':>6} {'dry run':>8}"
+    )
+    rows = {}
     for fused in (False, True):
         config = config_from_argv([*LLAMA_70B.split(), *(["--cross-entropy-loss-fusion"] if fused else [])])
         x = make_shape(config, device_type="cuda")
         vocab = vocab_per_rank(x)
         if fused:  # one chunk's logits and their fp32 copy (forward), its softmax and cast (backward)
-            logits_sized = fused_chunk_tokens(x) * vocab * (x.elt + 4)
+            logits_sized = temps.fused_chunk_tokens(x) * vocab * (x.elt + 4)
+            loss = max(temps.fused_loss_forward_extra(x), temps.fused_output_backward_extra(x))
         else:  # the logits and their fp32 copy at the loss; the softmax is the gradient in backward
-            logits_sized = max(loss_forward_extra(x), x.tokens * vocab * 4)
+            logits_sized = max(temps.loss_forward_extra(x), x.tokens * vocab * 4)
+            loss = max(temps.loss_forward_extra(x), temps.output_backward_extra(x))
         last = predict_memory_per_stage(config, device_type="cuda")[-1]
         with open(os.devnull, "w") as quiet:
             dry = dry_run_stages(config, "cuda", out=quiet)[-1].max_allocated_bytes
+        rows[fused] = (logits_sized, loss, last.temporaries_bytes)
         print(
-            f"{'fused' if fused else 'unfused':<8} {logits_sized / 1e9:25.3f} {last.temporaries_bytes / 1e9:13.3f} "
-            f"{last.peak_bytes / 1e9:7.2f} {dry / 1e9:8.2f}"
+            f"{'fused' if fused else 'unfused':<8} {logits_sized / 1e9:12.3f} {loss / 1e9:19.3f} "
+            f"{temps.layer_backward_extra(x) / 1e9:11.3f} {last.temporaries_bytes / 1e9:12.3f} "
+            f"{last.peak_bytes / 1e9:6.2f} {dry / 1e9:8.2f}"
         )
+    ratios = [plain / fused for plain, fused in zip(rows[False], rows[True], strict=True)]
+    print(
+        f"unfused / fused: logits-sized {ratios[0]:.1f}x, loss + output layer {ratios[1]:.1f}x, "
+        f"stage temporaries at the peak {ratios[2]:.2f}x"
+    )
 
 
 if __name__ == "__main__":

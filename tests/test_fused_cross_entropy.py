@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from dist_helpers import SMALL_MODEL, ok, parse_losses, run_pretrain
 from memory_measure import measure
 
+from megatron_lite.core.fusions import fused_linear_cross_entropy as fused_module
 from megatron_lite.core.fusions.fused_linear_cross_entropy import linear_cross_entropy
 from megatron_lite.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -49,6 +50,33 @@ def test_bf16_in_one_chunk_is_bitwise_the_unfused_path():
     (loss, gx, gw), (f_loss, f_gx, f_gw) = _one_process(torch.bfloat16, 1000)
     assert torch.equal(f_gx, gx) and torch.equal(f_gw, gw)
     assert torch.allclose(f_loss, loss, rtol=2e-7, atol=0)  # log(sum) - shifted target: one rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weight_gradient_goes_into_main_grad(dtype, monkeypatch):
+    """Given DDP's fp32 main_grad the chunks add their weight gradients into it, as upstream's
+    gradient-accumulation fusion (no weight-sized gradient, none returned to autograd); bf16 a slice of
+    rows at a time, here 10 of 96 rows. fp32: the unfused gradient; bf16: each of the 7 chunks' partial
+    sums is rounded to bf16 (at most half a unit in the last place, 2^-9 of the largest), the unfused
+    total once."""
+    monkeypatch.setitem(
+        fused_module.CHUNK_BUDGET_BYTES, "cpu", 10 * 32 * (2 if dtype == torch.bfloat16 else 4)
+    )
+    (loss, gx, gw), _ = _one_process(dtype, 7)
+    torch.manual_seed(0)
+    x = torch.randn(16, 3, 32, dtype=dtype).requires_grad_(True)
+    w = (torch.randn(96, 32) / 4).to(dtype).requires_grad_(True)
+    target, g = torch.randint(0, 96, (16, 3)), torch.rand(16, 3)
+    w.main_grad = torch.full(w.shape, 0.5)  # a previous microbatch's gradient, added to
+    f_loss = linear_cross_entropy(x, w, target, chunk_tokens=7)
+    (f_loss * g).sum().backward()
+    assert w.grad is None and torch.equal(f_loss, loss) and torch.equal(x.grad, gx)
+    added = w.main_grad - 0.5
+    if dtype == torch.float32:
+        assert torch.allclose(added, gw, rtol=1e-6, atol=1e-7), (added - gw).abs().max()
+    else:
+        bound = (7 + 1) * 2**-9 * gw.float().abs().max()
+        assert (added - gw.float()).abs().max() <= bound, ((added - gw.float()).abs().max(), bound)
 
 
 LAYOUTS = {
@@ -98,8 +126,11 @@ def test_a_real_runs_last_stage_peak_shrinks_by_at_least_the_logits(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["--bf16", "--tensor-model-parallel-size 2 --sequence-parallel --bf16",
+                                    "--tensor-model-parallel-size 4 --sequence-parallel --cross-entropy-fusion-chunk-tokens 64",
                                     "--pipeline-model-parallel-size 2 --defer-embedding-wgrad-compute"])  # fmt: skip
 def test_the_prediction_is_the_dry_runs(layout):
+    """The last stage's peak, predicted and measured on fake tensors, within 1%: under SP one chunk's
+    gathered rows and reduce-scattered gradient at a time (8 chunks of 16 rows per rank at 64)."""
     from megatron_lite.training.arguments import config_from_argv
     from megatron_lite.training.memory.dry_run import dry_run_stages
     from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
@@ -112,7 +143,7 @@ def test_the_prediction_is_the_dry_runs(layout):
     config = config_from_argv(argv)
     predicted = predict_memory_per_stage(config, device_type="cuda")[-1].peak_bytes
     dry = dry_run_stages(config, device_type="cuda")[-1].max_allocated_bytes
-    assert abs(predicted - dry) <= 0.02 * dry, (predicted, dry)
+    assert abs(predicted - dry) <= 0.01 * dry, (predicted, dry)
 
 
 def test_the_preflight_proposes_it_when_the_last_stage_does_not_fit(tmp_path):

@@ -13,12 +13,14 @@ softmax until backward): at a 128k-256k vocabulary the largest tensors of the wh
 - backward, per chunk: the chunk's logits again (the one GEMM more this costs), its softmax from the
   saved max and sum, minus one at the target, times the loss gradient: the chunk's logits gradient,
   cast to the weight's dtype as the unfused path's ``.float()`` backward does; then its input gradient
-  (written into its rows) and its weight gradient, accumulated in place into one weight-sized buffer
-  (the unfused path's wgrad GEMM output).
+  (written into its rows) and its weight gradient, added straight into the weight's fp32 ``main_grad``
+  as upstream's gradient-accumulation fusion does (a bf16 GEMM a slice of rows at a time), so no
+  weight-sized gradient exists either; a weight without one gets one weight-sized buffer.
 
-Under sequence parallelism the layer keeps its sequence shard, gathers it for the GEMMs in each
-direction and reduce-scatters the input gradient, as ``LinearWithGradAccumulationAndAsyncCommunication``;
-without it the caller copies the input into the tensor-parallel region (its backward all-reduces).
+Under sequence parallelism the layer keeps its sequence shard and each chunk gathers its rows of every
+rank's shard, in each direction, and reduce-scatters its input gradient: neither the gathered sequence
+nor its whole input gradient exists, only one chunk's. Without it the caller copies the input into the
+tensor-parallel region (its backward all-reduces).
 With ``--defer-embedding-wgrad-compute`` the weight gradient waits for the pipeline flush as the
 unfused layer's does, but what waits is token-sized (each microbatch's log-sum-exps, targets and loss
 gradients, beside the input the layer keeps): ``drain_wgrad`` runs the chunks again then.
@@ -50,6 +52,13 @@ def default_chunk_tokens(vocab_per_rank: int, device_type: str) -> int:
     return max(1, budget // (4 * vocab_per_rank))
 
 
+def wgrad_slice_rows(hidden: int, element_size: int, device_type: str) -> int:
+    """Rows of the weight gradient a bf16 chunk makes at a time before adding them into the fp32
+    ``main_grad``: the device's budget's worth, at least one."""
+    budget = CHUNK_BUDGET_BYTES.get(device_type, CHUNK_BUDGET_BYTES["cuda"])
+    return max(1, budget // (element_size * hidden))
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Per-token loss [N] (fp32) of ``input @ weight.T`` against ``target`` [N], the vocabulary split
     over ``tp_group``. Collective over ``tp_group`` in forward (and in backward under SP)."""
@@ -59,26 +68,23 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx, input_, weight, target, tp_group, sequence_parallel: bool, chunk_tokens: int,
         grad_output_buffer=None, wgrad_deferral_limit: int = 0,
     ):  # fmt: skip
-        total = _gather(input_, tp_group, 0) if sequence_parallel else input_
-        x = total.reshape(-1, total.size(-1))
-        vocab = weight.size(0)
+        chunks = _Rows(input_.reshape(-1, input_.size(-1)), tp_group, sequence_parallel, chunk_tokens)
         first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            vocab, get_pg_rank(tp_group), get_pg_size(tp_group)
+            weight.size(0), get_pg_rank(tp_group), get_pg_size(tp_group)
         )
         target = target.reshape(-1)
         outside = (target < first) | (target >= last)
         local_target = (target - first).masked_fill(outside, 0)
-        top = torch.empty(x.size(0), dtype=torch.float32, device=x.device)
+        top = torch.empty(chunks.tokens, dtype=torch.float32, device=input_.device)
         total_exp = torch.empty_like(top)
         predicted = torch.empty_like(top)
-        for start in range(0, x.size(0), chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
+        for _, x_rows, at in chunks:
             # The unfused path's ops on the chunk's rows: its GEMM, upcast, max, shift, exp and sum.
-            logits = torch.mm(x[rows], weight.t()).float()
-            predicted[rows] = logits.gather(1, local_target[rows].unsqueeze(1)).squeeze(1)
-            top[rows] = logits.amax(dim=-1)
-            total_exp[rows] = logits.sub_(top[rows].unsqueeze(1)).exp_().sum(dim=-1)
-            del logits
+            logits = torch.mm(x_rows, weight.t()).float()
+            predicted[at] = logits.gather(1, local_target[at].unsqueeze(1)).squeeze(1)
+            top[at] = logits.amax(dim=-1)
+            total_exp[at] = logits.sub_(top[at].unsqueeze(1)).exp_().sum(dim=-1)
+            del logits, x_rows
         if get_pg_size(tp_group) > 1:  # each rank's sums rescaled to the largest max of all ranks
             local_top = top.clone()
             _all_reduce(top, dist.ReduceOp.MAX, tp_group)
@@ -91,61 +97,113 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(input_, weight, top, total_exp, local_target, outside)
         ctx.tp_group, ctx.sequence_parallel, ctx.chunk_tokens = tp_group, sequence_parallel, chunk_tokens
         ctx.grad_output_buffer, ctx.wgrad_deferral_limit = grad_output_buffer, wgrad_deferral_limit
+        # The parameter's own attribute: a saved tensor may come back as another object.
+        ctx.main_grad = getattr(weight, "main_grad", None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         input_, weight, top, total_exp, local_target, outside = ctx.saved_tensors
         group, sp, chunk = ctx.tp_group, ctx.sequence_parallel, ctx.chunk_tokens
-        total = _gather(input_, group, 0) if sp else input_
-        x = total.reshape(-1, total.size(-1))
-        grad_x = torch.empty_like(x)
+        chunks = _Rows(input_.reshape(-1, input_.size(-1)), group, sp, chunk)
+        grad_local = torch.empty_like(chunks.local)
         hit = 1.0 - outside.float()
-        deferred = defers_wgrad(ctx.grad_output_buffer, ctx.wgrad_deferral_limit)
-        grad_weight = None if deferred else torch.zeros_like(weight)
+        wants = ctx.needs_input_grad[1]
+        deferred = wants and defers_wgrad(ctx.grad_output_buffer, ctx.wgrad_deferral_limit)
+        # Where DDP gave the weight an fp32 main_grad, the chunks add into it (upstream's
+        # gradient-accumulation fusion); else one weight-sized gradient, returned to autograd.
+        main_grad = ctx.main_grad if wants and not deferred else None
+        own = wants and not deferred and main_grad is None
+        grad_weight = torch.zeros_like(weight) if own else None
+        slice_rows = wgrad_slice_rows(weight.size(1), weight.element_size(), weight.device.type)
         stats = (top, total_exp)
-        for start in range(0, x.size(0), chunk):
-            rows = slice(start, start + chunk)
-            grad = _logits_grad(x[rows], weight, stats, rows, local_target, hit, grad_loss)
-            torch.mm(grad, weight, out=grad_x[rows])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad.t(), x[rows])
-            del grad  # one chunk's buffers at a time
+        for local, x_rows, at in chunks:
+            grad = _logits_grad(x_rows, weight, stats, at, local_target, hit, grad_loss)
+            if chunks.tp == 1:
+                torch.mm(grad, weight, out=grad_local[local])
+            else:  # this rank's rows of the chunk's input gradient, summed over the group
+                grad_local[local] = _reduce_scatter(torch.mm(grad, weight), group, 0)
+            if main_grad is not None:
+                _add_wgrad(main_grad, grad, x_rows, slice_rows)
+            elif grad_weight is not None:
+                grad_weight.addmm_(grad.t(), x_rows)
+            del grad, x_rows  # one chunk's buffers at a time
         if deferred:  # drain_wgrad calls it with the re-gathered input at the flush
             ctx.grad_output_buffer.append(
-                _DeferredWgrad(weight, stats, local_target, hit, grad_loss.clone(), chunk)
+                _DeferredWgrad(weight, ctx.main_grad, stats, local_target, hit, grad_loss.clone(), chunk)
             )
-        grad_x = grad_x.view_as(total)
-        if sp:
-            grad_x = _reduce_scatter(grad_x, group, 0)
-        return grad_x, grad_weight, None, None, None, None, None, None
+        return grad_local.view_as(input_), grad_weight, None, None, None, None, None, None
 
 
-def _logits_grad(x_rows, weight, stats, rows: slice, local_target, hit, grad_loss) -> torch.Tensor:
+def _logits_grad(x_rows, weight, stats, at, local_target, hit, grad_loss) -> torch.Tensor:
     """One chunk's logits gradient in the weight's dtype: the softmax from the saved max and sum (the
-    unfused path's ops), less one at this rank's targets, times the loss gradient. Its fp32 buffer
-    is freed on return when the cast makes a new one."""
+    unfused path's ops), less one at this rank's targets, times the loss gradient. ``at``: the chunk's
+    positions in the token-sized tensors. Its fp32 buffer is freed on return when the cast makes a
+    new one."""
     top, total_exp = stats
-    grad = torch.mm(x_rows, weight.t()).float().sub_(top[rows].unsqueeze(1)).exp_()
-    grad.div_(total_exp[rows].unsqueeze(1))
-    grad[torch.arange(grad.size(0), device=grad.device), local_target[rows]] -= hit[rows]
-    return grad.mul_(grad_loss[rows].unsqueeze(1)).to(weight.dtype)
+    grad = torch.mm(x_rows, weight.t()).float().sub_(top[at].unsqueeze(1)).exp_()
+    grad.div_(total_exp[at].unsqueeze(1))
+    grad[torch.arange(grad.size(0), device=grad.device), local_target[at]] -= hit[at]
+    return grad.mul_(grad_loss[at].unsqueeze(1)).to(weight.dtype)
+
+
+class _Rows:
+    """The chunks of rows the loss works on, each as the (gathered) input rows and their positions in
+    the token-sized tensors (the gathered sequence's order, where row ``r * n + j`` is tensor-parallel
+    rank r's local row j). Under SP each chunk gathers ``chunk // tp`` local rows of every rank, so the
+    gathered sequence never exists whole; its backward reduce-scatters the chunk's input gradient."""
+
+    def __init__(self, local: torch.Tensor, group, sequence_parallel: bool, chunk_tokens: int):
+        self.local, self.group = local, group
+        self.tp = get_pg_size(group) if sequence_parallel else 1
+        self.step = max(1, chunk_tokens // self.tp)
+
+    @property
+    def tokens(self) -> int:
+        return self.local.size(0) * self.tp
+
+    def __iter__(self):
+        n = self.local.size(0)
+        for start in range(0, n, self.step):
+            local = slice(start, min(start + self.step, n))
+            if self.tp == 1:
+                yield local, self.local[local], local
+                continue
+            ranks = torch.arange(self.tp, device=self.local.device).unsqueeze(1) * n
+            index = (ranks + torch.arange(local.start, local.stop, device=self.local.device)).reshape(-1)
+            yield local, _gather(self.local[local], self.group, 0), index
+
+
+def _add_wgrad(main_grad: torch.Tensor, grad: torch.Tensor, x_rows: torch.Tensor, slice_rows: int) -> None:
+    """``main_grad += grad^T x_rows``, as upstream's gradient-accumulation fusion: no weight-sized
+    gradient. An fp32 GEMM adds in place; a bf16 one makes ``slice_rows`` rows of it at a time."""
+    if grad.dtype == main_grad.dtype:
+        main_grad.addmm_(grad.t(), x_rows)
+        return
+    for start in range(0, main_grad.size(0), slice_rows):
+        rows = slice(start, start + slice_rows)
+        main_grad[rows].add_(torch.mm(grad[:, rows].t(), x_rows))
 
 
 class _DeferredWgrad:
-    """A microbatch's output-layer weight gradient, computed when called with its (gathered) input."""
+    """A microbatch's output-layer weight gradient, computed when called with its (gathered) input:
+    added into ``main_grad`` (None returned) where there is one, else returned."""
 
-    def __init__(self, weight, stats, local_target, hit, grad_loss, chunk: int):
-        self.parts = (weight, stats, local_target, hit, grad_loss, chunk)
+    def __init__(self, weight, main_grad, stats, local_target, hit, grad_loss, chunk: int):
+        self.parts = (weight, main_grad, stats, local_target, hit, grad_loss, chunk)
 
-    def __call__(self, total_input: torch.Tensor) -> torch.Tensor:
-        weight, stats, local_target, hit, grad_loss, chunk = self.parts
+    def __call__(self, total_input: torch.Tensor) -> torch.Tensor | None:
+        weight, main_grad, stats, local_target, hit, grad_loss, chunk = self.parts
         x = total_input.reshape(-1, total_input.size(-1))
-        grad_weight = torch.zeros_like(weight)
+        grad_weight = torch.zeros_like(weight) if main_grad is None else None
+        slice_rows = wgrad_slice_rows(weight.size(1), weight.element_size(), weight.device.type)
         for start in range(0, x.size(0), chunk):
             rows = slice(start, start + chunk)
             grad = _logits_grad(x[rows], weight, stats, rows, local_target, hit, grad_loss)
-            grad_weight.addmm_(grad.t(), x[rows])
+            if main_grad is not None:
+                _add_wgrad(main_grad, grad, x[rows], slice_rows)
+            else:
+                grad_weight.addmm_(grad.t(), x[rows])
             del grad
         return grad_weight
 

@@ -94,9 +94,12 @@ def drain_wgrad(
     while grad_output_buffer:
         input_, grad_output = embedding_activation_buffer.pop(0), grad_output_buffer.pop(0)
         total_input = _gather(input_, tp_group, 0) if sequence_parallel else input_
-        # The fused loss (fusions/fused_linear_cross_entropy) defers a callable, not a gradient.
+        # The fused loss (fusions/fused_linear_cross_entropy) defers a callable, not a gradient; it
+        # adds into main_grad itself where the weight has one (returning None).
         grad = grad_output(total_input) if callable(grad_output) else _wgrad(grad_output, total_input)
         del input_, total_input, grad_output  # each microbatch's buffers go as soon as they are used
+        if grad is None:
+            continue
         main_grad = getattr(weight, "main_grad", None)
         if main_grad is not None:
             main_grad.add_(grad)  # what DDP's accumulation does with a computed gradient

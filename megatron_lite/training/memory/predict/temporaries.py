@@ -10,7 +10,9 @@ sequence parallelism, V' = V / tp, f = the MLP's fc2 width per TP rank, element 
   softmax, its masks and the loss mask are not saved yet at that instant;
 - the output layer's backward: its input gradient t h e (the whole sequence before SP's
   reduce-scatter), under SP the re-gathered input t h e, and its weight gradient V' h e, beside all of
-  the chunk's saves (the cross entropy's gradient is its own softmax buffer, modified in place);
+  the chunk's saves (the cross entropy's gradient is its own softmax buffer, modified in place); the
+  fused loss's (--cross-entropy-loss-fusion) holds one chunk's rows of each instead, and no weight
+  gradient (it adds into main_grad);
 - a layer's backward, which starts with linear_fc2's: the output gradient t' h e (received from the
   next stage, or the final norm's), gathered under SP (t h e), the input gradient t f e and the weight
   gradient h f e, beside everything the chunk saved;
@@ -58,34 +60,46 @@ def loss_forward_extra(x: Shape) -> int:
 
 
 def fused_chunk_tokens(x: Shape) -> int:
-    """The fused loss's rows per chunk: the flag's, else the device's default."""
+    """The fused loss's rows per chunk (gathered rows under SP: each rank's ``chunk // tp``): the
+    flag's, else the device's default."""
     from megatron_lite.core.fusions.fused_linear_cross_entropy import default_chunk_tokens
 
     chunk = x.m.cross_entropy_fusion_chunk_tokens or default_chunk_tokens(vocab_per_rank(x), x.device)
-    return min(chunk, x.tokens)
+    if not x.m.sequence_parallel:
+        return min(chunk, x.tokens)
+    local = min(max(1, chunk // x.m.tensor_model_parallel_size), x.norm_tokens)
+    return local * x.m.tensor_model_parallel_size
 
 
 def fused_loss_forward_extra(x: Shape) -> int:
-    """The fused loss's forward, at a chunk's shift: under SP the gathered input t h e, one chunk's
+    """The fused loss's forward, at a chunk's shift: under SP the chunk's gathered rows C h e, its
     logits C V' e and their fp32 upcast, and the token-sized results being filled (max, sum, target
     logit: fp32; local targets int64; the mask)."""
     m, t, e, chunk = x.m, x.tokens, x.elt, fused_chunk_tokens(x)
     vocab = vocab_per_rank(x)
-    gathered = t * m.hidden_size * e if m.sequence_parallel else 0
+    gathered = chunk * m.hidden_size * e if m.sequence_parallel else 0
     return gathered + chunk * vocab * e + (chunk * vocab * 4 if e != 4 else 0) + t * (12 + 8 + 1)
 
 
 def fused_output_backward_extra(x: Shape) -> int:
-    """The fused loss's backward: the input gradient t h e, the weight gradient V' h e, under SP the
-    re-gathered input t h e, the targets' hits (fp32), and at its largest either a chunk's fp32 softmax
-    beside its logits or its cast back (C V' (4 + e); fp32: one buffer), or under SP the input
-    gradient's reduce-scatter (a copy t h e and this rank's share t' h e)."""
-    m, t, e, h, chunk = x.m, x.tokens, x.elt, x.m.hidden_size, fused_chunk_tokens(x)
-    vocab = vocab_per_rank(x)
-    base = t * h * e + vocab * h * e + t * 4 + (t * h * e if m.sequence_parallel else 0)
-    per_chunk = chunk * vocab * (e + 4 if e != 4 else 4) + chunk * 8  # the GEMM's output or the cast
-    scatter = t * h * e + x.norm_tokens * h * e if m.sequence_parallel else 0
-    return base + max(per_chunk, scatter)
+    """The fused loss's backward: this rank's input gradient t' h e, the targets' hits (fp32), and one
+    chunk's buffers at their largest: under SP its gathered rows C h e, then either its logits beside
+    their fp32 softmax or the softmax beside its cast (C V' (4 + e); fp32: one buffer), or the cast
+    beside its input gradient C h e and that gradient's reduce-scatter (gloo's copy C h e, and this
+    rank's rows), or with bf16 the cast beside one slice of the weight gradient, added into main_grad
+    (upstream's gradient-accumulation fusion: no weight-sized gradient)."""
+    from megatron_lite.core.fusions.fused_linear_cross_entropy import wgrad_slice_rows
+
+    m, e, h, chunk = x.m, x.elt, x.m.hidden_size, fused_chunk_tokens(x)
+    sp, tp, vocab = m.sequence_parallel, m.tensor_model_parallel_size, vocab_per_rank(x)
+    base = x.norm_tokens * h * e + x.tokens * 4
+    gathered = chunk * h * e if sp else 0
+    index = chunk * 8 * (2 if sp else 1)  # the hits' arange (and under SP the rows' positions)
+    softmax = chunk * vocab * (e + 4 if e != 4 else 4)
+    cast = chunk * vocab * e
+    scatter = (chunk * h * e * (2 if x.device == "cpu" else 1) + chunk // tp * h * e) if sp else 0
+    wgrad = min(wgrad_slice_rows(h, e, x.device), vocab) * h * e if e != 4 else 0
+    return base + gathered + index + max(softmax, cast + max(scatter, wgrad))
 
 
 def output_backward_extra(x: Shape) -> int:
