@@ -63,8 +63,9 @@ def test_a_layout_that_does_not_fit_names_the_stage_and_the_fix_that_makes_it_fi
     device = round(max(totals.values()) * 0.8, 1)  # smaller than the peak stage needs
     result = _preflight(tmp_path, argv, device)
     assert result.returncode == 1
-    peak_stage = max(totals, key=totals.get)
-    assert f"stage {peak_stage} runs out first" in result.stdout, result.stdout
+    # The table rounds to 3 digits: the stage named is one of those that print the largest peak.
+    named = int(re.search(r"stage (\d+) runs out first", result.stdout).group(1))
+    assert totals[named] == max(totals.values()), result.stdout
     fix = re.search(r"cheapest change that fits every stage: (.*?)  \(", result.stdout).group(1).split()
     applied = _preflight(tmp_path, [*argv, *fix], device)
     assert applied.returncode == 0, applied.stdout

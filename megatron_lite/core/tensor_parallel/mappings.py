@@ -38,11 +38,19 @@ def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return x.chunk(size, dim=dim)[get_pg_rank(group)].contiguous()
 
 
+# PyTorch's newer name for it (all_gather_into_tensor warns that it is deprecated).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _gather(x: torch.Tensor, group, dim: int, split_sizes: list[int] | None = None) -> torch.Tensor:
     size = get_pg_size(group)
     if size == 1:
         return x
     x = x.contiguous()
+    if split_sizes is None and dim == 0:  # straight into the output, as megatron-core: no parts to cat
+        out = x.new_empty((size * x.size(0), *x.shape[1:]))
+        _all_gather_single(out, x, group=group)
+        return out
     if split_sizes is None:
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x, group=group)

@@ -74,6 +74,26 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
             MoEAuxLossAutoScaler.main_loss_backward_scale.copy_(scale)
 
 
+class _CombineRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, source: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        return source.new_zeros((rows, source.size(-1))).index_add_(0, index, source)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
+def combine_rows(source: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """``rows`` x h zeros with each row of ``source`` [n, h] added at row ``index[i]``: the tokens'
+    expert outputs summed back into token order. The values of ``index_add``, but what its backward
+    keeps is the index alone (autograd's ``index_add`` saves its source too, for its shape), as
+    megatron-core's ``unpermute``, a ``scatter_add``, keeps no source."""
+    return _CombineRows.apply(source, index, rows)
+
+
 def topk_routing_with_score_function(
     logits: torch.Tensor,
     topk: int,

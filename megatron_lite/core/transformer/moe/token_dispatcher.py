@@ -31,6 +31,7 @@ from megatron_lite.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron_lite.core.transformer.moe.moe_utils import combine_rows
 from megatron_lite.core.utils import get_pg_rank, get_pg_size
 
 # (tokens, num_experts, local expert indices) -> rows of one rank's tokens each expert receives, the
@@ -110,8 +111,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         return hidden[self.token_idx], rows, permuted_probs
 
     def token_unpermutation(self, expert_output: torch.Tensor) -> torch.Tensor:
-        out = expert_output.new_zeros((self.num_gathered, expert_output.size(-1)))
-        out = out.index_add(0, self.token_idx, expert_output)
+        out = combine_rows(expert_output, self.token_idx, self.num_gathered)
         if get_pg_size(self.tp_ep_group) > 1:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_ep_group)
         return out.view(self.hidden_shape)
@@ -176,6 +176,5 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
                 out, self.tp_group, input_split_sizes=self.etp_splits
             )
         out = all_to_all(self.ep_group, out, self.input_splits, self.output_splits)
-        combined = out.new_zeros((self.hidden_shape.numel() // self.hidden_shape[-1], out.size(-1)))
-        combined = combined.index_add(0, self.token_idx, out)
+        combined = combine_rows(out, self.token_idx, self.hidden_shape.numel() // self.hidden_shape[-1])
         return combined.view(self.hidden_shape)

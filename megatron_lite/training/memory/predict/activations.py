@@ -47,19 +47,12 @@ def _rotary_dim(m) -> int:
     return int(m.kv_channels * m.rotary_percent) if m.rotary_percent < 1.0 else m.kv_channels
 
 
-def norm_keeps_input(m) -> bool:
-    """Whether a norm saves its input tensor itself: LayerNorm does; RMSNorm computes in fp32 and
-    saves that upcast, the input itself only when it is fp32 already."""
-    return m.normalization == "LayerNorm" or not (m.bf16 or m.fp16)
-
-
 def _norm_saves(x: Shape, name: str) -> dict[str, int]:
-    """A norm's saves: LayerNorm its input and mean and rstd (activation dtype); RMSNorm the fp32
-    input, its rstd and x * rstd (all fp32, whatever the activation dtype)."""
+    """A norm's saves: its input itself and its statistics, LayerNorm's mean and rstd (activation
+    dtype), RMSNorm's rstd (fp32; fusions/fused_rms_norm, as Transformer Engine's)."""
     h, t = x.m.hidden_size, x.norm_tokens
-    if x.m.normalization == "LayerNorm":
-        return {f"{name}.input": t * h * x.elt, f"{name}.stats": 2 * t * x.elt}
-    return {f"{name}.input": t * h * 4, f"{name}.stats": t * 4 + t * h * 4}
+    stats = 2 * t * x.elt if x.m.normalization == "LayerNorm" else t * 4
+    return {f"{name}.input": t * h * x.elt, f"{name}.stats": stats}
 
 
 def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
@@ -249,7 +242,7 @@ def chunk_activations(x: Shape, layers: int, pre: bool, post: bool, offset: int 
     # scatter's chunk is contiguous, so no copy is made): the full sequence's storage stays alive.
     sp_first = (x.tokens - x.norm_tokens) * m.hidden_size * x.elt if pre and m.sequence_parallel else 0
     if m.recompute_granularity != "full" or layers == 0:
-        kept = emb + (sp_first if norm_keeps_input(m) and layers else 0) + sum(per_layer) + out
+        kept = emb + (sp_first if layers else 0) + sum(per_layer) + out
         peak = kept
         if m.recompute_granularity == "selective" and layers:
             peak = max(kept, kept - out + selective_backward_extra(x))
@@ -268,9 +261,8 @@ def chunk_activations(x: Shape, layers: int, pre: bool, post: bool, offset: int 
     kept = emb + rope + sum(inputs) + sum(per_layer[layers - whole :]) + out
     # Backward: the loss, output layer and the whole layers go first; then each unit, last first,
     # re-saves its layers while the inputs of it and of the units before it are still held. Its first
-    # norm saves the kept input's own storage unless that was split over TP (then a gathered copy)
-    # or the norm saves an fp32 upcast instead.
-    shared = not distribute and norm_keeps_input(m)
+    # norm saves the kept input's own storage unless that was split over TP (then a gathered copy).
+    shared = not distribute
     peak = kept
     for u, unit in enumerate(units):
         held = emb + rope + sum(inputs[: u + 1]) + sum(per_layer[i] for i in unit)

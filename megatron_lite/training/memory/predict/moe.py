@@ -28,8 +28,8 @@ reads), fc1's output R F1 e, the activation
 (SwiGLU, fused: nothing more; another gated one: act(gate) and its product with value R f e each,
 else R f e), the probabilities R e and
 fc2's input R f e; with biases the grouped path's row-to-expert index R 8 twice and the fc2 bias
-rows R h e; the combine's index_add keeps its source (P h e after the all-to-all, R h e for
-all-gather). The shared expert saves a dense MLP's tensors (and with its gate T e + T h e).
+rows R h e; the combine keeps its indices only (moe_utils.combine_rows, as megatron-core's
+scatter_add). The shared expert saves a dense MLP's tensors (and with its gate T e + T h e).
 """
 
 from __future__ import annotations
@@ -158,7 +158,6 @@ def moe_mlp_saves(x, routing: str = "balanced") -> dict[str, float]:
     saves["experts.activation"] = 0 if fuses(m) else rows * f * e * (2 if gated else 1)
     saves["experts.probs"] = rows * e
     saves["experts.fc2.input"] = rows * f * e
-    saves["combine.source"] = (rows if allgather else pairs) * h * e
     if shared := m.moe_shared_expert_intermediate_size:
         width = shared // m.tensor_model_parallel_size
         saves["shared.fc1.output"] = x.tokens * width * (2 if gated else 1) * e

@@ -45,22 +45,20 @@ def schedule_peak_allocated(
     events: list[tuple[str, int]],
     chunks: list[ChunkActivations],
     transients: list[ChunkTransients],
-    received: list[int] | None = None,
 ) -> tuple[int, int]:
     """(the most bytes beyond the static ones over the schedule's forwards and backwards, the saved
-    activations then): the saves of the microbatch-chunks in flight (and the received inputs held
-    beside them, ``received`` per chunk) plus the transients of the one running."""
-    received = received or [0] * len(chunks)
+    activations then): the saves of the microbatch-chunks in flight plus the transients of the one
+    running. A received input is among its chunk's saves (the first norm saves it)."""
     held = saved = 0
     peak = (0, 0)
     for kind, c in events:
         if kind == "F":
             instant = transients[c].forward
-            peak = max(peak, (held + received[c] + instant[0], saved + instant[1]))
-            held, saved = held + chunks[c].kept + received[c], saved + chunks[c].kept
+            peak = max(peak, (held + instant[0], saved + instant[1]))
+            held, saved = held + chunks[c].kept, saved + chunks[c].kept
         else:
             instant = transients[c].backward
-            base, base_saved = held - chunks[c].kept - received[c], saved - chunks[c].kept
-            peak = max(peak, (base + received[c] + instant[0], base_saved + instant[1]))
+            base, base_saved = held - chunks[c].kept, saved - chunks[c].kept
+            peak = max(peak, (base + instant[0], base_saved + instant[1]))
             held, saved = base, base_saved
     return peak

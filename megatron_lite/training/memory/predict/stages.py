@@ -20,8 +20,8 @@ and microbatch, for t = s b / cp tokens, t' = t / tp under sequence parallelism 
 size e (2 with bf16, 4 without), heads a and query groups g per TP rank, head size d, MLP width f per
 TP rank (fc1 2f when gated) and the CPU flash attention kernel:
 
-- input_layernorm: LayerNorm its input t'h e, mean and rstd 2t'e; RMSNorm (computed in fp32) an fp32
-  copy of its input t'h 4 (the input itself when fp32), rstd t'4 and x rstd t'h 4; linear_qkv its
+- input_layernorm: its input t'h e, and LayerNorm its mean and rstd 2t'e, RMSNorm its rstd t'4
+  (fusions/fused_rms_norm: what Transformer Engine's keeps); linear_qkv its
   input (the norm's output, the local shard under SP) t'h e;
 - the QKV output t(a + 2g)d e, which v (always) and q, k (unless rotated, or q regrouped by GQA) view;
   rotated q and k (t a d e, t g d e) and their cos/sin (4 s/cp rot 4); core attention's output t a d e
@@ -97,7 +97,6 @@ from megatron_lite.training.memory.predict.schedule import (
 from megatron_lite.training.memory.predict.temporaries import (
     chunk_transients,
     optimizer_step_extra,
-    received_input_bytes,
 )
 from megatron_lite.training.memory.report import gigabytes
 
@@ -186,17 +185,16 @@ def predict_memory_per_stage(
     per_layer = sum(layer_saves(x).values())
     stages = []
     for rank in range(pp):
-        chunks, transients, received = [], [], []
+        chunks, transients = [], []
         for vp_stage in range(vp):
             pre, post = chunk_bounds(m, rank, vp_stage)
             layers = get_num_layers_to_build(m, vp_stage, rank)
             offset = get_transformer_layer_offset(m, vp_stage, rank)
             chunks.append(chunk_activations(x, layers, pre, post, offset))
             transients.append(chunk_transients(x, chunks[-1], post))
-            received.append(received_input_bytes(x, pre, layers))
         events = schedule_events(config.num_microbatches, vp, pp, rank, group)
         peak, in_flight = schedule_peak(events, chunks)
-        step, saved_then = schedule_peak_allocated(events, chunks, transients, received)
+        step, saved_then = schedule_peak_allocated(events, chunks, transients)
         deferred = deferred_wgrad_bytes(x, config.num_microbatches) if rank == pp - 1 else 0
         params = param_memory(config, rank, dp_rank)
         scratch = optimizer_step_extra(

@@ -29,9 +29,6 @@ buffer). The deferred output-layer wgrad buffers (--defer-embedding-wgrad-comput
 schedule's instant as stages.py's ``deferred_wgrad_bytes``; recomputation's re-saved unit is in the
 chunk's backward peak (activations.py).
 
-Counted beside the saves: the received activation a chunk holds until its backward when no save
-holds it (an RMSNorm in bf16 saves an fp32 upcast instead; ``received_input_bytes``).
-
 Left out: buffers of a t h e or smaller each, under 1% of a stage at hidden 128 and up to 7% of a toy
 model of hidden 64 (interleaved with full recomputation; the dry run measures them): the activations
 and gradients a pipeline schedule has received ahead (the interleaved one holds several), recomputation's saved RNG states
@@ -47,7 +44,6 @@ from megatron_lite.training.memory.predict.activations import (
     ChunkActivations,
     Shape,
     loss_saves,
-    norm_keeps_input,
     vocab_per_rank,
 )
 
@@ -142,17 +138,6 @@ def chunk_transients(x: Shape, chunk: ChunkActivations, post: bool) -> ChunkTran
     else:
         output = (chunk.kept + output_backward_extra(x), before_loss)  # the softmax is the gradient now
     return ChunkTransients(forward, max(output, (after_output + layer, after_output)))
-
-
-def received_input_bytes(x: Shape, pre: bool, layers: int) -> int:
-    """What a chunk that receives its input (not the embedding's) holds beside its saves from its
-    forward to its backward: the received activation t' h e, which the schedule keeps for the
-    backward, unless the chunk's saves hold it already (a first norm that saves its input, or full
-    recomputation, which keeps each unit's input)."""
-    m = x.m
-    if pre or norm_keeps_input(m) or (m.recompute_granularity == "full" and layers):
-        return 0
-    return x.norm_tokens * m.hidden_size * x.elt
 
 
 def optimizer_step_extra(
