@@ -81,6 +81,27 @@ def test_rms_norm_holds_a_quarter_of_the_composites_bytes_in_bf16():
     assert held["ours"] <= TOKENS * 2 * 4 + 1024, held  # the rstd (and the allocator's rounding)
 
 
+def test_the_kernel_path_passes_the_kernels_arguments(mocker):
+    """On CUDA the backward is aten._fused_rms_norm_backward (no GPU here): its arguments, in its order,
+    checked by PyTorch's own Python decomposition of that op standing in for the kernel."""
+    from torch._decomp.decompositions import _fused_rms_norm_backward
+
+    from megatron_lite.core.fusions import fused_rms_norm
+
+    mocker.patch.object(fused_rms_norm, "KERNEL_DEVICES", {"cpu"})
+    kernel = mocker.patch.object(
+        torch.ops.aten, "_fused_rms_norm_backward", side_effect=_fused_rms_norm_backward
+    )
+    theirs, ours, x = _norms(torch.float32)
+    x_theirs, x_ours = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    grad = torch.randn_like(x)
+    ours(x_ours).backward(grad)
+    theirs(x_theirs).backward(grad)
+    assert kernel.call_count == 1
+    assert torch.allclose(x_ours.grad, x_theirs.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(ours.weight.grad, theirs.weight.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_no_graph_needed_is_torchs_own_call():
     _, ours, x = _norms(torch.bfloat16)
     with torch.no_grad():

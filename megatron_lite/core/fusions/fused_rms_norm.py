@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Where PyTorch has a kernel for aten._fused_rms_norm_backward (its CPU build has none).
+KERNEL_DEVICES = {"cuda"}
+
 
 def _backward_fp32(grad, x, rstd, weight, needs: tuple[bool, bool]):
     """(input gradient, weight gradient) of ``x * rstd * weight``: the kernel's formula, computed in
@@ -48,7 +51,7 @@ class FusedRMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1])
-        if grad.is_cuda:
+        if grad.device.type in KERNEL_DEVICES:
             grad_input, grad_weight = torch.ops.aten._fused_rms_norm_backward(
                 grad.contiguous(), x, ctx.normalized_shape, rstd, weight, list(needs)
             )
