@@ -9,7 +9,8 @@ import torch
 from dist_helpers import SMALL_MODEL, loss_lines, parse_losses, run_pretrain
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron_lite.core.pipeline_parallel.interleaved import (
+from megatron_lite.core.pipeline_parallel.schedule_order import (
+    forward_backward_order,
     get_pp_rank_microbatches,
     get_schedule_table,
     in_flight_microbatch_chunks,
@@ -38,6 +39,34 @@ def test_schedule_table_and_warmup_are_megatron_cores(microbatches, chunks, grou
         communicator.virtual_pipeline_model_parallel_size = chunks
         theirs = upstream.get_pp_rank_microbatches(microbatches, chunks, group, p2p_communicator=communicator)
         assert get_pp_rank_microbatches(microbatches, chunks, group, group, rank) == tuple(theirs)
+
+
+@pytest.mark.parametrize(
+    "microbatches,chunks,pp", [(8, 1, 4), (3, 1, 4), (16, 2, 4), (8, 2, 2), (12, 3, 4), (8, 4, 2)]
+)
+def test_forward_backward_order_is_megatron_cores(microbatches, chunks, pp):
+    """The order each rank runs its forwards and backwards in, against megatron-core's own conversion
+    of its schedule table into that order (``convert_schedule_table_to_order``, which CUDA graphs
+    replay: chunk c + 1 for a forward, -(c + 1) for a backward of chunk c) at upstream's warmup count."""
+    from megatron.core.pipeline_parallel import schedules as upstream
+    from megatron.core.transformer.cuda_graphs import convert_schedule_table_to_order
+
+    table = upstream.get_schedule_table(microbatches, chunks, pp)
+    for rank in range(pp):
+        if chunks == 1:  # plain 1F1B (forward_backward_pipelining_without_interleaving)
+            warmup = min(pp - rank - 1, microbatches)
+        else:
+            warmup = min((pp - rank - 1) * 2 + (chunks - 1) * pp, microbatches * chunks)
+        theirs = [
+            ("F", c - 1) if c > 0 else ("B", -c - 1)
+            for c in convert_schedule_table_to_order(warmup, chunks, table)
+        ]
+        ours = forward_backward_order(microbatches, chunks, pp, rank)
+        assert ours == theirs, rank
+        # In flight at most: the warmup forwards and the one that starts the steady state.
+        timeline = in_flight_microbatch_chunks(microbatches, chunks, pp, rank)
+        assert len(timeline) == microbatches * chunks
+        assert max(sum(step) for step in timeline) == min(warmup + 1, microbatches * chunks)
 
 
 def test_chunk_layer_assignment_is_megatron_s():

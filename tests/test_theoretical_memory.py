@@ -13,13 +13,11 @@ import pytest
 import torch
 from memory_measure import measure
 
-from megatron_lite.core.pipeline_parallel.interleaved import in_flight_microbatch_chunks
 from megatron_lite.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_lite.core.transformer.transformer_layer import TransformerLayer
 from megatron_lite.models.gpt_provider import GPTModelProvider
 from megatron_lite.training.arguments import parse_args
 from megatron_lite.training.memory.predict.activations import Shape, layer_saves
-from megatron_lite.training.memory.predict.schedule import schedule_events
 from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 from megatron_lite.training.memory.saved_tensors import ActivationMemoryTracker
 
@@ -112,18 +110,6 @@ def test_readme_cluster_example_predicts_at_real_size_in_well_under_a_second():
         # bf16 weights, fp32 grads, fp32 masters + two moments: 2 + 4 + 12 bytes per parameter.
         assert s.grads_bytes == 2 * s.weights_bytes
         assert s.optimizer_state_bytes == pytest.approx(6 * s.weights_bytes, rel=1e-4)
-
-
-@pytest.mark.parametrize("microbatches,vp,pp", [(8, 1, 4), (3, 1, 4), (16, 2, 4), (8, 2, 2), (12, 3, 4)])
-def test_schedule_events_keep_the_schedules_in_flight_counts(microbatches, vp, pp):
-    for rank in range(pp):
-        counts, timeline = [0] * vp, []
-        for kind, chunk in schedule_events(microbatches, vp, pp, rank, pp):
-            counts[chunk] += 1 if kind == "F" else -1
-            if kind == "F":
-                timeline.append(list(counts))
-        assert timeline == in_flight_microbatch_chunks(microbatches, vp, pp, rank)
-        assert all(c == 0 for c in counts)  # every forward is matched by its backward
 
 
 def test_interleaved_in_flight_is_upstreams_warmup_plus_one():

@@ -21,70 +21,13 @@ from megatron_lite.core.pipeline_parallel.embedding_wgrad import (
     finish_embedding_wgrad_compute,
 )
 from megatron_lite.core.pipeline_parallel.p2p_communication import wait_for_sends
+from megatron_lite.core.pipeline_parallel.schedule_order import (  # noqa: F401 (upstream's names live here too)
+    check_interleaving,
+    get_pp_rank_microbatches,
+    get_schedule_table,
+    in_flight_microbatch_chunks,
+)
 from megatron_lite.core.utils import get_collective_device, get_model_config
-
-
-def get_pp_rank_microbatches(
-    num_microbatches: int, num_model_chunks: int, microbatch_group_size_per_vp_stage: int, pp_size: int,
-    pp_rank: int, forward_only: bool = False,
-) -> tuple[int, bool, int, int]:  # fmt: skip
-    """(total virtual microbatches, whether all are warmup, warmup count, remaining count)."""
-    total = num_microbatches * num_model_chunks
-    if forward_only:
-        warmup = total
-    else:
-        warmup = (pp_size - pp_rank - 1) * 2 + (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
-    all_warmup = warmup >= total
-    warmup = min(warmup, total)
-    return total, all_warmup, warmup, total - warmup
-
-
-def get_schedule_table(num_microbatches: int, num_model_chunks: int, group: int) -> list[tuple[int, int]]:
-    """(microbatch, chunk) of every virtual microbatch in forward order: each group of ``group``
-    microbatches through chunk 0, then chunk 1, ...; the last group takes whatever remains."""
-    table = []
-    for start in range(0, num_microbatches, group):
-        end = num_microbatches if start + group >= num_microbatches else start + group
-        table.extend((mb, chunk) for chunk in range(num_model_chunks) for mb in range(start, end))
-    return table
-
-
-def in_flight_microbatch_chunks(
-    num_microbatches: int, num_model_chunks: int, pp_size: int, pp_rank: int, group: int | None = None
-) -> list[list[int]]:
-    """For each forward this rank runs, how many microbatches of each chunk hold activations right after
-    it (forwards done minus backwards done, per chunk), following the schedule step by step: the
-    schedule's own account of what a rank keeps in flight (``vp = 1`` gives plain 1F1B's ``pp - r``)."""
-    group = group or pp_size
-    total, _, warmup, remaining = get_pp_rank_microbatches(
-        num_microbatches, num_model_chunks, group, pp_size, pp_rank
-    )
-    if num_model_chunks == 1:
-        warmup = min(pp_size - pp_rank - 1, num_microbatches)
-        remaining = num_microbatches - warmup
-    table = get_schedule_table(num_microbatches, num_model_chunks, group)
-    counts, timeline = [0] * num_model_chunks, []
-    for k in range(warmup + remaining):
-        counts[table[k][1]] += 1
-        timeline.append(list(counts))
-        if k >= warmup:  # steady state: each forward is followed by the backward of step k - warmup
-            counts[num_model_chunks - 1 - table[k - warmup][1]] -= 1
-    return timeline
-
-
-def check_interleaving(num_microbatches: int, pp_size: int, group: int) -> None:
-    """Upstream's conditions on the microbatch count; ValueError otherwise."""
-    if not pp_size <= group <= num_microbatches:
-        raise ValueError(
-            f"microbatches per virtual-stage group ({group}) must be between the pipeline size "
-            f"({pp_size}) and the number of microbatches ({num_microbatches})"
-        )
-    remainder = num_microbatches % group
-    if 0 < remainder < pp_size:
-        raise ValueError(
-            f"{num_microbatches} microbatches leave a last group of {remainder}, fewer than the "
-            f"pipeline size {pp_size} (a bubble the schedule cannot fill)"
-        )
 
 
 def forward_backward_pipelining_with_interleaving(

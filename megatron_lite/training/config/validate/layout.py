@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_lite.core.pipeline_parallel.interleaved import check_interleaving
+from megatron_lite.core.pipeline_parallel.schedule_order import check_interleaving
 from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
 from megatron_lite.training.errors import ConfigError
 

@@ -8,7 +8,7 @@ import copy
 def most_in_flight(config, count: int) -> list[tuple[int, ...]]:
     """Per stage, per model chunk: the most microbatches holding activations at once over ``count``
     microbatches (the schedule's own count, ``in_flight_microbatch_chunks``)."""
-    from megatron_lite.core.pipeline_parallel.interleaved import in_flight_microbatch_chunks
+    from megatron_lite.core.pipeline_parallel.schedule_order import in_flight_microbatch_chunks
 
     m = config.model
     pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
@@ -36,7 +36,7 @@ def dry_run_microbatches(config) -> int:
     ``in_flight_microbatch_chunks``) and takes at least one steady-state step; from there on each
     further microbatch repeats the same allocations and frees. All of them under
     --defer-embedding-wgrad-compute, whose buffers grow with every microbatch until the flush."""
-    from megatron_lite.core.pipeline_parallel.interleaved import get_pp_rank_microbatches
+    from megatron_lite.core.pipeline_parallel.schedule_order import get_pp_rank_microbatches
 
     m, total = config.model, config.num_microbatches
     pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1

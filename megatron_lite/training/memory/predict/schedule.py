@@ -1,29 +1,13 @@
 """The pipeline schedule played over a stage's model chunks: its forwards and backwards in order
-(:func:`schedule_events`), the saved activations they hold (:func:`schedule_peak`) and the allocated
+(``core/pipeline_parallel/schedule_order.forward_backward_order``, the schedules' own), the saved
+activations they hold (:func:`schedule_peak`) and the allocated
 bytes beyond the static ones at each instant (:func:`schedule_peak_allocated`, with each chunk's
 transients from predict/temporaries.py)."""
 
 from __future__ import annotations
 
-from megatron_lite.core.pipeline_parallel.interleaved import get_pp_rank_microbatches, get_schedule_table
 from megatron_lite.training.memory.predict.activations import ChunkActivations
 from megatron_lite.training.memory.predict.temporaries import ChunkTransients
-
-
-def schedule_events(num_microbatches: int, vp: int, pp: int, rank: int, group: int) -> list[tuple[str, int]]:
-    """The schedule's forwards and backwards on ``rank`` in order, as ("F" | "B", model chunk): plain
-    1F1B (``vp`` 1) or interleaved, with the same warmup and steady-state order as the schedules."""
-    total, _, warmup, remaining = get_pp_rank_microbatches(num_microbatches, vp, group, pp, rank)
-    if vp == 1:
-        warmup = min(pp - rank - 1, num_microbatches)
-        remaining = num_microbatches - warmup
-    table = get_schedule_table(num_microbatches, vp, group)
-    events = [("F", table[k][1]) for k in range(warmup)]
-    for k in range(warmup, warmup + remaining):
-        events.append(("F", table[k][1]))
-        events.append(("B", vp - 1 - table[k - warmup][1]))
-    events += [("B", vp - 1 - table[k][1]) for k in range(remaining, total)]
-    return events
 
 
 def schedule_peak(events: list[tuple[str, int]], chunks: list[ChunkActivations]) -> tuple[int, int]:

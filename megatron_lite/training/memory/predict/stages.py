@@ -79,6 +79,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_lite.core.pipeline_parallel.schedule_order import forward_backward_order
 from megatron_lite.core.transformer.transformer_block import get_num_layers_to_build
 from megatron_lite.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron_lite.training.memory.predict.activations import (
@@ -90,7 +91,6 @@ from megatron_lite.training.memory.predict.activations import (
 from megatron_lite.training.memory.predict.moe import exact_routing
 from megatron_lite.training.memory.predict.params import chunk_bounds, param_memory
 from megatron_lite.training.memory.predict.schedule import (
-    schedule_events,
     schedule_peak,
     schedule_peak_allocated,
 )
@@ -192,7 +192,7 @@ def predict_memory_per_stage(
             offset = get_transformer_layer_offset(m, vp_stage, rank)
             chunks.append(chunk_activations(x, layers, pre, post, offset))
             transients.append(chunk_transients(x, chunks[-1], post))
-        events = schedule_events(config.num_microbatches, vp, pp, rank, group)
+        events = forward_backward_order(config.num_microbatches, vp, pp, rank, group)
         peak, in_flight = schedule_peak(events, chunks)
         step, saved_then = schedule_peak_allocated(events, chunks, transients)
         deferred = deferred_wgrad_bytes(x, config.num_microbatches) if rank == pp - 1 else 0
