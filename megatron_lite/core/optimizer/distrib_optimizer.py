@@ -16,13 +16,10 @@ data-parallel size.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from megatron_lite.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
-from megatron_lite.core.optimizer.optimizer import checkpoint_tensors_by_param, has_experts, split_for_norm
+from megatron_lite.core.optimizer.optimizer import MegatronOptimizer, checkpoint_tensors_by_param
 from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig
 from megatron_lite.core.optimizer.sharded_state import common_state
 from megatron_lite.core.utils import get_collective_device
@@ -43,6 +40,7 @@ class _ShardRange:
         # fp32 model: update the parameter buffer in place; otherwise an fp32 master copy.
         fp32 = param.dtype == torch.float32
         self.main = self.model_view if fp32 else self.model_view.detach().float()
+        self.model = self.model_view  # where the updated main values go (MainParam's name)
 
 
 def _shard_ranges(model_chunks) -> list[_ShardRange]:
@@ -77,8 +75,12 @@ def _gather(tensor: torch.Tensor, bucket, everywhere: bool) -> list[torch.Tensor
     return [t.cpu() for t in gathered] if bucket.dp_rank == 0 else None
 
 
-class DistributedOptimizer:
-    """MegatronOptimizer's interface (step, zero_grad, state dicts, norms) over sharded state."""
+class DistributedOptimizer(MegatronOptimizer):
+    """MegatronOptimizer over this rank's shard of every DDP bucket: its main parameters are shard
+    ranges, its gradients the reduce-scattered shard, its norm adds up over the dp groups too, and a
+    step ends by all-gathering the parameters."""
+
+    keeps_empty_groups = True  # a rank's shard may hold no matrix, or no bias
 
     def __init__(
         self,
@@ -93,95 +95,34 @@ class DistributedOptimizer:
         expert_dp_group=None,
     ):
         """A MoE model's expert buckets are sharded over ``expert_dp_group`` (DDP built them so)."""
-        self.config = config
-        self.model_chunks = model_chunks
-        self.model_parallel_group = model_parallel_group
-        self.dp_group = dp_group
-        self.expert_model_parallel_group = expert_model_parallel_group
-        self.expert_dp_group = expert_dp_group
-        self.has_experts = has_experts(model_chunks)
-        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         assert all(chunk.use_distributed_optimizer for chunk in model_chunks), (
             "DistributedOptimizer needs DistributedDataParallel built with use_distributed_optimizer"
         )
-        self.ranges = _shard_ranges(model_chunks)
+        self.dp_group = dp_group
+        self.expert_dp_group = expert_dp_group
         self._loaded_step = 0.0
-        decay = [r.main for r in self.ranges if r.param.ndim >= 2]
-        no_decay = [r.main for r in self.ranges if r.param.ndim < 2]
-        groups = [
-            {"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
-            {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
-        ]
-        # Both groups always exist (a rank's shard may hold no matrix, or no bias): the scheduler
-        # and the checkpoint see the same groups on every rank.
-        self.optimizer = torch.optim.AdamW(
-            groups,
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
+        super().__init__(
+            config,
+            model_chunks,
+            model_parallel_group=model_parallel_group,
+            tp_group=tp_group,
             foreach=foreach,
+            expert_model_parallel_group=expert_model_parallel_group,
         )
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+    def _main_params(self) -> list[_ShardRange]:
+        self.ranges = _shard_ranges(self.model_chunks)
+        return self.ranges
 
-    def get_loss_scale(self) -> torch.Tensor:
-        return torch.tensor(1.0)
+    def _gradients(self) -> list[torch.Tensor]:
+        return [r.grad_view for r in self.ranges]
 
-    def _norm(self, tensors) -> float:
-        """L2 norm of one tensor per shard range. Collective over the dp and model-parallel groups
-        (and, for a MoE model, the expert dp and expert model-parallel ones)."""
-        params = [r.param for r in self.ranges]
-        dense, expert = split_for_norm(params, tensors, self.tp_rank, self.has_experts)
-        return get_grad_norm_fp32(
-            dense,
-            self.model_parallel_group,
-            data_parallel_group=self.dp_group,
-            expert_grads=expert,
-            expert_model_parallel_group=self.expert_model_parallel_group,
-            expert_data_parallel_group=self.expert_dp_group,
-        )
+    def _norm_groups(self) -> dict:
+        return {"data_parallel_group": self.dp_group, "expert_data_parallel_group": self.expert_dp_group}
 
-    def get_params_norm(self) -> float:
-        """L2 norm of the fp32 main parameters. Collective over the dp and model-parallel groups."""
-        return self._norm([r.main.detach() for r in self.ranges])
-
-    @torch.no_grad()
-    def step(self) -> tuple[bool, float, None]:
-        """Clip, update this rank's shard, all-gather the parameters. Collective over the dp and
-        model-parallel groups. A non-finite global gradient norm skips the update on every rank."""
-        for r in self.ranges:
-            r.main.grad = r.grad_view
-        grad_norm = self._norm([r.grad_view for r in self.ranges])
-        if not math.isfinite(grad_norm):
-            return False, grad_norm, None
-        if self.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32([r.grad_view for r in self.ranges], self.config.clip_grad, grad_norm)
-        self.optimizer.step()
-        for r in self.ranges:
-            if r.main is not r.model_view:
-                r.model_view.copy_(r.main)
+    def _after_step(self) -> None:
         for chunk in self.model_chunks:
             chunk.start_param_sync()
-        return True, grad_norm, None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the main parameters' gradient views; the gradients live in DDP's buffers."""
-        for r in self.ranges:
-            r.main.grad = None
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of this rank's optimizer state: AdamW moments and the fp32 copies that are not the
-        model's own parameters, measured from the tensors."""
-        total = sum(
-            t.numel() * t.element_size()
-            for state in self.optimizer.state.values()
-            for t in state.values()
-            if torch.is_tensor(t)
-        )
-        return total + sum(r.main.numel() * 4 for r in self.ranges if r.main is not r.model_view)
 
     @torch.no_grad()
     def reload_model_params(self, state_dict: dict | None = None) -> None:

@@ -7,6 +7,7 @@ master copies and its state in fp32, and copies the updated masters back into th
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,29 @@ def split_for_norm(params, tensors, tp_rank: int, moe: bool):
     return dense, [t for p, t in counted if not getattr(p, "allreduce", True)]
 
 
+@dataclass(eq=False)
+class MainParam:
+    """One fp32 tensor the optimizer steps: ``main`` holds the flat elements ``[start, start +
+    main.numel())`` of ``param``, and its updated values go to ``model`` (``main`` itself where the
+    model's tensor is fp32)."""
+
+    param: torch.nn.Parameter
+    main: torch.Tensor
+    model: torch.Tensor
+    start: int = 0
+
+
 class MegatronOptimizer:
+    """AdamW over fp32 main parameters, clipped by the global gradient norm. The base of
+    DistributedOptimizer, as upstream's hierarchy: a subclass says what its main parameters are
+    (``_main_params``), which gradients they step on (``_gradients``), over which more groups the
+    norm adds up (``_norm_groups``) and what follows a step (``_after_step``); the AdamW groups,
+    the norms, clipping, the step and the state's bytes are here."""
+
+    # Whether AdamW keeps a group without parameters (the distributed optimizer's shards may hold no
+    # matrix, or no bias, and every rank must still see the same groups).
+    keeps_empty_groups = False
+
     def __init__(
         self,
         config: OptimizerConfig,
@@ -75,26 +98,48 @@ class MegatronOptimizer:
         self.expert_model_parallel_group = expert_model_parallel_group
         self.has_experts = has_experts(model_chunks)
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-        self.params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
-        # fp32 parameters are their own masters; low-precision ones get fp32 copies.
-        self.masters = [
-            p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in self.params
-        ]
-        decay, no_decay = [], []
-        for p, m in zip(self.params, self.masters):
-            (no_decay if p.ndim < 2 else decay).append(m)
+        self.units: list[MainParam] = self._main_params()
         groups = [
-            {"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
-            {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+            {
+                "params": [u.main for u in self.units if u.param.ndim >= 2],
+                "weight_decay": config.weight_decay,
+                "wd_mult": 1.0,
+            },
+            {"params": [u.main for u in self.units if u.param.ndim < 2], "weight_decay": 0.0, "wd_mult": 0.0},
         ]
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]],
+            [g for g in groups if g["params"] or self.keeps_empty_groups],
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
             foreach=foreach,
         )
+
+    # What a subclass decides ------------------------------------------------------------------
+
+    def _main_params(self) -> list[MainParam]:
+        """Every trainable parameter whole: fp32 ones are their own main parameters, lower-precision
+        ones get fp32 copies."""
+        self.params = [p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad]
+        self.masters = [
+            p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in self.params
+        ]
+        return [MainParam(p, m, p) for p, m in zip(self.params, self.masters)]
+
+    def _gradients(self) -> list[torch.Tensor]:
+        """The gradient each main parameter steps on: DDP's fp32 ``main_grad`` (a copy for a master,
+        so clipping leaves the buffer alone)."""
+        return [p.main_grad if m is p else p.main_grad.clone() for p, m in zip(self.params, self.masters)]
+
+    def _norm_groups(self) -> dict:
+        """More groups the norm adds up over, beside the model-parallel ones (get_grad_norm_fp32's)."""
+        return {}
+
+    def _after_step(self) -> None:
+        """What follows an applied update (the distributed optimizer all-gathers the parameters)."""
+
+    # The step ----------------------------------------------------------------------------------
 
     @property
     def param_groups(self):
@@ -104,57 +149,60 @@ class MegatronOptimizer:
         return torch.tensor(1.0)
 
     def _norm(self, tensors) -> float:
-        """L2 norm of one tensor per parameter (each logical parameter once). Collective over the
-        model-parallel group (and the expert one, for a MoE model)."""
-        dense, expert = split_for_norm(self.params, tensors, self.tp_rank, self.has_experts)
+        """L2 norm of one tensor per main parameter (each logical parameter once). Collective over the
+        model-parallel group, the expert one for a MoE model, and ``_norm_groups``'."""
+        params = [u.param for u in self.units]
+        dense, expert = split_for_norm(params, tensors, self.tp_rank, self.has_experts)
         return get_grad_norm_fp32(
             dense,
             self.model_parallel_group,
             expert_grads=expert,
             expert_model_parallel_group=self.expert_model_parallel_group,
+            **self._norm_groups(),
         )
 
     def get_params_norm(self) -> float:
-        """L2 norm of the fp32 master weights over all model-parallel ranks. Collective over the
-        model-parallel group."""
-        return self._norm([m.detach() for m in self.masters])
+        """L2 norm of the fp32 main parameters over all model-parallel ranks. Collective as ``_norm``."""
+        return self._norm([u.main.detach() for u in self.units])
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float, None]:
-        """Clip and apply one update. Collective over the model-parallel group (for the grad norm).
+        """Clip and apply one update. Collective as ``_norm`` (the grad norm), then ``_after_step``.
 
         Returns ``(update_successful, grad_norm, num_zeros_in_grad)``; a non-finite gradient norm skips
-        the update, so a single bad batch cannot poison the weights.
+        the update on every rank, so a single bad batch cannot poison the weights.
         """
-        for p, m in zip(self.params, self.masters):
-            m.grad = p.main_grad if m is p else p.main_grad.clone()
-        grad_norm = self._norm([m.grad for m in self.masters])
+        grads = self._gradients()
+        for u, grad in zip(self.units, grads, strict=True):
+            u.main.grad = grad
+        grad_norm = self._norm(grads)
         if not math.isfinite(grad_norm):
             return False, grad_norm, None
         if self.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32([m.grad for m in self.masters], self.config.clip_grad, grad_norm)
+            clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
         self.optimizer.step()
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                p.copy_(m)
+        for u in self.units:
+            if u.main is not u.model:
+                u.model.copy_(u.main)
+        self._after_step()
         return True, grad_norm, None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the fp32 copies' gradients; parameters' own gradients live in DDP's buffers."""
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                m.grad = None
+        """Drop the main parameters' gradients; a parameter's own gradient lives in DDP's buffer."""
+        for u in self.units:
+            if u.main is not u.param:
+                u.main.grad = None
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of this rank's optimizer state: AdamW moments and fp32 copies of non-fp32
-        parameters, measured from the tensors."""
+        """Bytes of this rank's optimizer state: AdamW's moments and the fp32 main parameters that are
+        not the model's own tensors, measured from the tensors."""
         total = sum(
             t.numel() * t.element_size()
             for state in self.optimizer.state.values()
             for t in state.values()
             if torch.is_tensor(t)
         )
-        return total + sum(m.numel() * 4 for p, m in zip(self.params, self.masters) if m is not p)
+        return total + sum(u.main.numel() * 4 for u in self.units if u.main is not u.model)
 
     @torch.no_grad()
     def reload_model_params(self, state_dict: dict | None = None) -> None:

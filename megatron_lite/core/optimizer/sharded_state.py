@@ -22,9 +22,7 @@ FP32_PARAM = "optimizer.state.fp32_param."
 def _ranges(optimizer):
     """``(param, start, main, is_copy)`` per part this rank updates: ``main`` the fp32 values of the
     flat elements ``[start, start + main.numel())`` of ``param``."""
-    if hasattr(optimizer, "ranges"):  # the distributed optimizer: this rank's shard of each parameter
-        return [(r.param, r.start, r.main, r.main is not r.model_view) for r in optimizer.ranges]
-    return [(p, 0, m, m is not p) for p, m in zip(optimizer.params, optimizer.masters)]
+    return [(u.param, u.start, u.main, u.main is not u.model) for u in optimizer.units]
 
 
 def _state(optimizer, main: torch.Tensor, step: float) -> dict:
