@@ -17,6 +17,7 @@ from megatron_lite.core.pipeline_parallel.embedding_wgrad import (
     finish_embedding_wgrad_compute,
 )
 from megatron_lite.core.pipeline_parallel.p2p_communication import wait_for_sends
+from megatron_lite.core.pipeline_parallel.schedule_order import one_f_one_b_warmup
 from megatron_lite.core.utils import get_collective_device, get_model_config
 
 
@@ -67,7 +68,7 @@ def forward_backward_pipelining_without_interleaving(
             no_sync_context.__exit__(None, None, None)
             no_sync_context = None
 
-    num_warmup = min(p2p.total_stages - p2p.current_stage - 1, num_microbatches)
+    num_warmup = one_f_one_b_warmup(num_microbatches, p2p.total_stages, p2p.current_stage)
     num_steady = num_microbatches - num_warmup
     partial_ckpt = getattr(config, "num_microbatches_with_partial_activation_checkpoints", None)
     max_outstanding = num_warmup + 1 if partial_ckpt is not None else None

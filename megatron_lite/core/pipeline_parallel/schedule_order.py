@@ -27,6 +27,11 @@ def get_pp_rank_microbatches(
     return total, all_warmup, warmup, total - warmup
 
 
+def one_f_one_b_warmup(num_microbatches: int, pp_size: int, pp_rank: int) -> int:
+    """Plain 1F1B's warmup forwards on ``pp_rank``: one per later stage, at most all microbatches."""
+    return min(pp_size - pp_rank - 1, num_microbatches)
+
+
 def get_schedule_table(num_microbatches: int, num_model_chunks: int, group: int) -> list[tuple[int, int]]:
     """(microbatch, chunk) of every virtual microbatch in forward order: each group of ``group``
     microbatches through chunk 0, then chunk 1, ...; the last group takes whatever remains."""
@@ -51,7 +56,7 @@ def forward_backward_order(
         num_microbatches, num_model_chunks, group, pp_size, pp_rank
     )
     if num_model_chunks == 1:
-        warmup = min(pp_size - pp_rank - 1, num_microbatches)
+        warmup = one_f_one_b_warmup(num_microbatches, pp_size, pp_rank)
         remaining = num_microbatches - warmup
     table = get_schedule_table(num_microbatches, num_model_chunks, group)
     last = num_model_chunks - 1
