@@ -9,8 +9,8 @@ import time
 
 import pytest
 from dist_helpers import SMALL_MODEL, loss_lines, ok, parse_losses, run_pretrain
+from job_helpers import Job, alive, children, rank_of
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_launcher import Job, _alive, _children, _rank_of
 
 PP2_DP2 = ["--pipeline-model-parallel-size", "2", "--nproc-per-node", "4"]
 BASE = [*SMALL_MODEL, "--train-iters", "12", "--log-interval", "1"]
@@ -176,11 +176,11 @@ def test_killing_a_worker_mid_save_keeps_the_previous_checkpoint(tmp_path):
         while not (tmp_path / "ckpt" / ".tmp_iter_0000004" / "mp_rank_00_001").exists():
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        workers = _children(job.proc.pid)
-        rank0 = next(pid for pid in workers if _rank_of(pid) == 0)
+        workers = children(job.proc.pid)
+        rank0 = next(pid for pid in workers if rank_of(pid) == 0)
         os.kill(rank0, signal.SIGKILL)  # rank 0 commits the save: kill it in the window
         assert job.proc.wait(timeout=60) != 0
-        assert not any(_alive(pid) for pid in workers)
+        assert not any(alive(pid) for pid in workers)
     finally:
         if env_backup is None:
             os.environ.pop("MEGATRON_LITE_TEST_SAVE_DELAY_S")

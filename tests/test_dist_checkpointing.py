@@ -12,7 +12,7 @@ import time
 
 import pytest
 from dist_helpers import SMALL_MODEL, loss_lines, ok, parse_losses, run_pretrain
-from test_launcher import Job, _alive, _children
+from job_helpers import Job, alive, children
 
 from megatron_lite.core.dist_checkpointing import load_metadata
 
@@ -133,13 +133,13 @@ def test_async_save_trains_during_the_write_and_a_kill_keeps_the_previous(tmp_pa
         "successfully saved checkpoint from iteration       2"
     )
     assert "successfully saved checkpoint from iteration       4" not in out
-    workers = _children(job.proc.pid)
-    spawned = [pid for w in workers for pid in _children(w)]  # writers, multiprocessing's helpers
+    workers = children(job.proc.pid)
+    spawned = [pid for w in workers for pid in children(w)]  # writers, multiprocessing's helpers
     assert sum(_comm(pid) == "ckpt-writer" for pid in spawned) == 2  # one background writer per rank
     job.proc.send_signal(signal.SIGKILL)  # the launcher; its workers and their writers die with it
     job.proc.wait(timeout=30)
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in workers + spawned):
+    while any(alive(pid) for pid in workers + spawned):
         assert time.monotonic() < deadline, "a worker or a background writer outlived the job"
         time.sleep(0.1)
     ckpt = tmp_path / "ckpt"

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 from dist_helpers import loss_lines, ok, parse_losses, run_pretrain
+from job_helpers import Job, alive, children, rank_of
 from test_checkpointing import BASE, _refused
-from test_launcher import Job, _alive, _children, _rank_of
 
 SHARDED = [
     "--use-distributed-optimizer",
@@ -93,10 +93,10 @@ def test_killing_a_worker_mid_save_keeps_the_previous_checkpoint(tmp_path):
         while not pending.exists():
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        workers = _children(job.proc.pid)
-        os.kill(next(pid for pid in workers if _rank_of(pid) == 0), signal.SIGKILL)
+        workers = children(job.proc.pid)
+        os.kill(next(pid for pid in workers if rank_of(pid) == 0), signal.SIGKILL)
         assert job.proc.wait(timeout=60) != 0
-        assert not any(_alive(pid) for pid in workers)
+        assert not any(alive(pid) for pid in workers)
     finally:
         if env_backup is None:
             os.environ.pop("MEGATRON_LITE_TEST_SAVE_DELAY_S")

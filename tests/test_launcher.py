@@ -8,72 +8,10 @@ import signal
 import subprocess
 import sys
 import termios
-import threading
 import time
 
 from dist_helpers import PRETRAIN, SMALL_MODEL
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                kids.append(int(entry))
-    return kids
-
-
-def _rank_of(pid: int) -> int:
-    """A forked worker is named rank-<r>; a started one (torchrun-style) has RANK in its environment."""
-    with open(f"/proc/{pid}/comm") as f:
-        name = f.read().strip()
-    if name.startswith("rank-"):
-        return int(name[len("rank-") :])
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    return int(env[b"RANK"])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-class Job:
-    """A pretrain.py job whose stdout is collected in the background."""
-
-    def __init__(self, args, cwd):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        self.proc = subprocess.Popen(
-            [sys.executable, PRETRAIN, *args],
-            cwd=cwd,
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        self.out: list[str] = []
-        self.err: list[str] = []
-        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(
-                target=lambda s=stream, k=sink: k.extend(iter(s.readline, "")), daemon=True
-            ).start()
-
-    def wait_for(self, text: str, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.out):
-            assert self.proc.poll() is None, "".join(self.err)
-            assert time.monotonic() < deadline, f"no {text!r} in output"
-            time.sleep(0.1)
-
+from job_helpers import Job, alive, children
 
 LONG_RUN = ["--pipeline-model-parallel-size", "4", "--train-iters", "100000", *SMALL_MODEL]
 
@@ -81,7 +19,7 @@ LONG_RUN = ["--pipeline-model-parallel-size", "4", "--train-iters", "100000", *S
 def test_killing_one_worker_stops_the_job_fast(tmp_path):
     job = Job(LONG_RUN, tmp_path)
     job.wait_for("iteration        2/")
-    workers = _children(job.proc.pid)
+    workers = children(job.proc.pid)
     assert len(workers) == 4
     os.kill(workers[1], signal.SIGKILL)
     start = time.monotonic()
@@ -89,7 +27,7 @@ def test_killing_one_worker_stops_the_job_fast(tmp_path):
     elapsed = time.monotonic() - start
     assert code != 0
     assert elapsed < 30, elapsed
-    assert not any(_alive(pid) for pid in workers)
+    assert not any(alive(pid) for pid in workers)
     time.sleep(0.5)
     message = "".join(job.err)
     assert message.count("was killed by SIGKILL") == 1, message
@@ -121,12 +59,12 @@ def test_a_stalled_output_reader_does_not_keep_a_failed_job_up(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, "the job's stdout never filled"
             time.sleep(0.1)
         time.sleep(1.0)  # the launcher is now blocked writing to it
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 4
         os.kill(workers[1], signal.SIGKILL)
         code = proc.wait(timeout=60)
         assert code != 0
-        assert not any(_alive(pid) for pid in workers)
+        assert not any(alive(pid) for pid in workers)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -137,11 +75,11 @@ def test_a_stalled_output_reader_does_not_keep_a_failed_job_up(tmp_path):
 def test_sigterm_stops_every_worker_and_flushes_logs(tmp_path):
     job = Job([*LONG_RUN, "--tensorboard-dir", str(tmp_path / "tb"), "--log-memory-to-tensorboard"], tmp_path)
     job.wait_for("iteration        2/")
-    workers = _children(job.proc.pid)
+    workers = children(job.proc.pid)
     job.proc.send_signal(signal.SIGTERM)
     code = job.proc.wait(timeout=60)
     assert code == 128 + signal.SIGTERM
-    assert not any(_alive(pid) for pid in workers)
+    assert not any(alive(pid) for pid in workers)
     events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert len(events) == 1 and events[0].stat().st_size > 0
 
@@ -149,11 +87,11 @@ def test_sigterm_stops_every_worker_and_flushes_logs(tmp_path):
 def test_ctrl_c_stops_every_worker(tmp_path):
     job = Job(LONG_RUN, tmp_path)
     job.wait_for("iteration        1/")
-    workers = _children(job.proc.pid)
+    workers = children(job.proc.pid)
     job.proc.send_signal(signal.SIGINT)
     code = job.proc.wait(timeout=60)
     assert code == 128 + signal.SIGINT
-    assert not any(_alive(pid) for pid in workers)
+    assert not any(alive(pid) for pid in workers)
 
 
 def test_under_torchrun_the_environment_is_used_unchanged(tmp_path):
