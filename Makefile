@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup lint format clean bench
+.PHONY: demo test test-fast setup lint format clean bench
 
 # The venv is rebuilt when the project's dependencies change.
 $(STAMP): pyproject.toml
@@ -21,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The tests that start no process (no job, no gloo world, no subprocess): an edit-test loop's lane.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not world" tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -16,6 +16,9 @@ import signal
 
 import pytest
 
+# The world mark and its check: the fast lane (make test-fast) runs only tests that start no process.
+pytest_plugins = ["lanes", "pytester"]
+
 # Imported before any test: importing them sets process state of their own (MLflow's telemetry
 # session id in the environment), which is theirs, not a test's.
 for _sink in ("wandb", "mlflow", "comet_ml"):

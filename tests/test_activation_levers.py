@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import glob
 
+import pytest
 import torch
 from dist_helpers import SMALL_MODEL, loss_lines, run_pretrain
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytestmark = pytest.mark.world  # every test here starts processes
 
 ITERS = 4
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]

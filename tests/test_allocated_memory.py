@@ -98,6 +98,7 @@ def _measured(name: str, *extra: str):
         return measure(argv, world, f"{tmp}/tb", quiet=True)
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("name", list(PEAK_CASES))
 def test_predicted_allocated_peak_is_within_3_percent_on_every_stage(name, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
@@ -109,6 +110,7 @@ def test_predicted_allocated_peak_is_within_3_percent_on_every_stage(name, monke
         assert measured >= floor * (1 - 1e-4), (name, stage, measured, floor)
 
 
+@pytest.mark.world
 def test_a_larger_vocabulary_grows_the_last_stages_peak_by_at_least_its_fp32_logits(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     small = _measured("full recompute pp2")[-1]["peak"]
@@ -119,6 +121,7 @@ def test_a_larger_vocabulary_grows_the_last_stages_peak_by_at_least_its_fp32_log
     assert large[1] - small[1] >= logits, (small, large)  # predicted
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("name", ["1f1b pp4", "interleaved pp2 vp2", "full recompute pp2", "tp2 pp2 sp"])
 def test_the_dry_run_measures_every_stages_peak_within_2_percent_of_the_real_run(name, monkeypatch, tmp_path):
     """The preflight's dry run (fake tensors, a fake world, the stage's real code and schedule) against

@@ -309,6 +309,7 @@ def _pretrain(args, cwd):
     )
 
 
+@pytest.mark.world
 def test_bad_input_starts_nothing_and_writes_nothing(tmp_path):
     result = _pretrain(
         [
@@ -330,6 +331,7 @@ def test_bad_input_starts_nothing_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.world
 def test_help_lists_the_flags(tmp_path):
     result = _pretrain(["--help"], REPO)
     assert result.returncode == 0

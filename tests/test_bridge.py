@@ -56,6 +56,7 @@ def _logits_and_round_trip(rank, world, tp, pp, dirs, out_root):
     return errors, mismatched
 
 
+@pytest.mark.world
 def test_logits_equal_transformers_at_tp1_pp1(hf_dirs):
     [(errors, mismatched)] = run_world(_logits_and_round_trip, 1, 1, 1, hf_dirs, None)
     assert set(errors) == set(FAMILIES)
@@ -63,6 +64,7 @@ def test_logits_equal_transformers_at_tp1_pp1(hf_dirs):
     assert all(not m for m in mismatched.values()), mismatched
 
 
+@pytest.mark.world
 def test_tp2_pp2_logits_equal_transformers_and_import_export_is_bitwise(hf_dirs, tmp_path):
     """Each rank reads its own shard; logits pass stage to stage and gather over TP; the export
     gathers every tensor back over TP and PP to the bit, and save_hf_pretrained's directory loads
@@ -146,6 +148,7 @@ def test_what_megatron_lite_cannot_represent_is_one_line_naming_the_field(
     assert named in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.world
 def test_a_tensor_with_no_place_in_the_model_is_refused(hf_dirs, tmp_path):
     """Weights the config does not announce (here a Qwen3-style q_norm) are refused, not dropped."""
     from safetensors.torch import save_file
@@ -213,6 +216,7 @@ def _import_peak(rank, world, path):
     return growth, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@pytest.mark.world
 def test_import_peak_memory_is_the_shard_plus_one_tensor(tmp_path):
     """Loading reads one tensor's slice at a time from the memory-mapped files (each closed after its
     read): beyond the shard itself, the resident memory grows by about one tensor, not by the model."""

@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 
 from megatron_lite.bridge import AutoBridge, BridgeError
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 _COMMON = dict(
     vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
     tie_word_embeddings=False,

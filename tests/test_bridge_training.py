@@ -110,6 +110,7 @@ def _trained_logits(rank, world, ckpt, exported) -> float:
     return relative_error(ours, theirs)
 
 
+@pytest.mark.world
 def test_import_train_at_pp2_from_the_transformers_loss_and_export(llama, tmp_path):
     model_dir, prefix = llama
     imported = _run("import", "--hf-model", str(model_dir), "--megatron-path", "imported",
@@ -144,6 +145,7 @@ def test_import_train_at_pp2_from_the_transformers_loss_and_export(llama, tmp_pa
     assert written.keys() == source.keys() and all(torch.equal(written[n], source[n]) for n in source)
 
 
+@pytest.mark.world
 def test_conversion_errors_are_one_line_before_any_worker(llama, tmp_path, capsys, monkeypatch):
     """The tool's own entry point, in this process: each error is found before a worker starts."""
     from corpus_helpers import _tool

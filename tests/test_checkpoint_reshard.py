@@ -12,6 +12,8 @@ from dist_helpers import ok, parse_losses, run_pretrain
 
 from megatron_lite.training.arguments import parse_args
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 ARCHITECTURE = "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 32".split()
 ARCHITECTURE += ["--vocab-size", "256"]
 LLAMA = [*ARCHITECTURE, "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]

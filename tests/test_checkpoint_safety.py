@@ -89,6 +89,7 @@ def _at_iteration_2(saved, tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
 
 
+@pytest.mark.world
 def test_a_code_payload_in_model_optim_rng_is_refused(saved, tmp_path):
     _at_iteration_2(saved, tmp_path)
     path = tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
@@ -99,6 +100,7 @@ def test_a_code_payload_in_model_optim_rng_is_refused(saved, tmp_path):
     _refused(tmp_path, ITERS, "iter_0000002/mp_rank_00/model_optim_rng.pt", marker)
 
 
+@pytest.mark.world
 def test_a_code_payload_in_distrib_optim_is_refused(tmp_path):
     ok(run_pretrain([*ITERS, *DIST_OPT, "--save", "ckpt", "--exit-interval", "2"], tmp_path))
     shard = tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00"
@@ -125,6 +127,7 @@ def _as_older_layout(path: Path) -> None:
     assert isinstance(_trusted_load(path)["rng_state"]["numpy"][1], np.ndarray)
 
 
+@pytest.mark.world
 def test_a_checkpoint_of_the_older_layout_loads_and_resumes_exactly(saved, tmp_path):
     straight = saved[1]
     _at_iteration_2(saved, tmp_path)

@@ -8,6 +8,8 @@ import pytest
 import torch
 from dist_helpers import SMALL_MODEL, loss_lines, ok, parse_losses, run_pretrain
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 ARGS = [*SMALL_MODEL, "--num-workers", "0"]
 
 

@@ -12,6 +12,8 @@ from dist_helpers import SMALL_MODEL, loss_lines, ok, parse_losses, run_pretrain
 from job_helpers import Job, alive, children, rank_of
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 PP2_DP2 = ["--pipeline-model-parallel-size", "2", "--nproc-per-node", "4"]
 BASE = [*SMALL_MODEL, "--train-iters", "12", "--log-interval", "1"]
 

@@ -45,6 +45,7 @@ def assert_close(got: dict, want: dict) -> None:
         assert abs(loss - want[it]) < 5e-4, (it, loss, want[it])
 
 
+@pytest.mark.world
 def test_round_trip_resumes_at_the_same_losses(trained):
     root, straight = trained
     out = convert(root, "--load", "ckpt", "--ckpt-step", "4", "--save", "dist", "--ckpt-format", "torch_dist")
@@ -92,6 +93,7 @@ def assert_equal_state(a, b, where: str) -> None:
         assert a == b, (where, a, b)
 
 
+@pytest.mark.world
 def test_bad_input_is_one_line_before_any_worker(trained, capsys, monkeypatch):
     root, _ = trained
     spec = importlib.util.spec_from_file_location("convert_checkpoint_format", TOOL)
@@ -124,6 +126,7 @@ MOE = [
 ]
 
 
+@pytest.mark.world
 def test_moe_round_trip_resumes_at_another_expert_parallel_size(tmp_path):
     run = ok(
         run_pretrain(

@@ -147,6 +147,7 @@ def _predicted_deferred_bytes(extra: list[str]) -> int:
     return predict_memory_per_stage(parse_args([*argv, *extra]))[-1].deferred_wgrad_bytes
 
 
+@pytest.mark.world
 def test_deferred_output_layer_wgrad_gives_the_same_bits_at_pp2():
     variants = [
         dict(tp=1, vp=1, defer=False),
@@ -191,6 +192,7 @@ def test_deferred_output_layer_wgrad_gives_the_same_bits_at_pp2():
     assert bf16_deferred["seen"][0][2] == MICROBATCHES * (MBS * SEQ * HIDDEN * 2 + MBS * SEQ * VOCAB * 2)
 
 
+@pytest.mark.world
 def test_deferred_wgrad_under_tensor_parallelism_with_and_without_sequence_parallelism():
     variants = [dict(tp=2, vp=1, defer=d, sp=sp) for sp in (True, False) for d in (False, True)]
     results = run_world(_variants, 4, variants)
@@ -257,6 +259,7 @@ def test_overlapped_grad_reduction_is_refused_by_the_core_api():
         )
 
 
+@pytest.mark.world
 def test_the_last_stage_holds_only_the_deferred_inputs_and_output_gradients():
     """Measured by the preflight's dry run (within 0.2% of the real CPU run here): under deferral the last
     stage's peak is what the prediction counts, the output layer's held inputs and output gradients,

@@ -15,8 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from dist_helpers import PRETRAIN, REPO, SMALL_MODEL, loss_lines, ok, run_pretrain
 from test_checkpointing import tree_digest
+
+pytestmark = pytest.mark.world  # every test here starts processes
 
 ITERS = [*SMALL_MODEL, "--train-iters", "6", "--log-interval", "1"]
 

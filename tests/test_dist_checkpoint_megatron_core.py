@@ -172,9 +172,11 @@ def _check(per_rank: list[dict], direction: str) -> None:
         assert error <= 1e-5, f"rank {rank}: logits differ by {error:.3g} (relative)"
 
 
+@pytest.mark.world
 def test_megatron_core_checkpoint_loads_into_our_model(interchange):
     _check(interchange, "mcore_to_ours")
 
 
+@pytest.mark.world
 def test_our_checkpoint_loads_into_megatron_core(interchange):
     _check(interchange, "ours_to_mcore")

@@ -40,6 +40,8 @@ from megatron_lite.core.models.gpt.expert_sharding import routed_expert
 from megatron_lite.models.gpt_provider import GPTModelProvider
 from megatron_lite.training.checkpointing.sharded_pieces import sharded_pieces
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 EP, EXPERTS, VOCAB, SEQ = 2, 4, 256, 16
 _MOE = dict(
     **SMALL_LLAMA,

@@ -39,6 +39,7 @@ def _assert_close(resumed: dict, reference: dict, iterations) -> None:
         assert abs(resumed[it] - reference[it]) <= 5e-4, (it, resumed[it], reference[it])
 
 
+@pytest.mark.world
 def test_megatron_core_layout_on_disk(saved_tp2_pp2):
     root, _, _ = saved_tp2_pp2
     step = root / "ckpt" / "iter_0000003"
@@ -61,6 +62,7 @@ def test_megatron_core_layout_on_disk(saved_tp2_pp2):
     assert len(saved["decoder.layers.self_attention.linear_qkv.weight"].chunks) == 8 * 2  # layer x TP rank
 
 
+@pytest.mark.world
 @pytest.mark.parametrize(
     "layout, note",
     [
@@ -80,6 +82,7 @@ def test_resume_at_another_layout(saved_tp2_pp2, layout, note):
     _assert_close(parse_losses(resumed.stdout), reference, range(4, 7))
 
 
+@pytest.mark.world
 def test_distributed_optimizer_on_then_off_across_dp_sizes(saved_tp2_pp2):
     """Saved without the distributed optimizer, resumed with it at dp 2 (its shards: flat ranges of the
     parameters) and saved; that checkpoint resumed without it at tp 1 pp 4."""
@@ -93,6 +96,7 @@ def test_distributed_optimizer_on_then_off_across_dp_sizes(saved_tp2_pp2):
     _assert_close(parse_losses(second.stdout), reference, range(7, 9))
 
 
+@pytest.mark.world
 @pytest.mark.parametrize(
     "layout",
     [
@@ -113,6 +117,7 @@ def test_bf16_run_resumes_an_fp32_checkpoint(saved_tp2_pp2, layout):
     )
 
 
+@pytest.mark.world
 def test_same_layout_resumes_bitwise(saved_tp2_pp2):
     root, _, reference = saved_tp2_pp2
     resumed = _resume(root, TP2_PP2)
@@ -120,6 +125,7 @@ def test_same_layout_resumes_bitwise(saved_tp2_pp2):
     assert loss_lines(resumed.stdout) == {it: reference[it] for it in range(4, 9)}
 
 
+@pytest.mark.world
 def test_async_save_trains_during_the_write_and_a_kill_keeps_the_previous(tmp_path, monkeypatch):
     """Each background write waits 4 s first: iterations go on meanwhile. The job is killed with SIGKILL
     while iteration 4's write is in flight; iteration 2 stays the latest and resumes exactly."""
@@ -158,6 +164,7 @@ def _comm(pid: int) -> str:
         return f.read().strip()
 
 
+@pytest.mark.world
 def test_sigterm_during_an_async_write_saves_and_exits_cleanly(tmp_path, monkeypatch):
     """The background writer ignores the SIGTERM sent to the process group; the rank finishes the save
     in flight, saves its last iteration and exits 0."""

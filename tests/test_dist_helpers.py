@@ -9,6 +9,8 @@ import time
 import pytest
 from dist_helpers import SMALL_MODEL, run_pretrain
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 
 def _processes_in(directory) -> list[int]:
     """Pids whose working directory is ``directory`` (the job's launcher and workers)."""

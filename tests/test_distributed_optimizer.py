@@ -103,6 +103,7 @@ def dp4():
     return run_world(_world, 4)
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_optimizer_state_bytes_at_dp4_are_a_quarter(dp4, dtype):
     for rank_out in dp4:
@@ -114,12 +115,14 @@ def test_optimizer_state_bytes_at_dp4_are_a_quarter(dp4, dtype):
     assert sum(r[f"bytes_{dtype}"][True] for r in dp4) == pytest.approx(full, abs=4 * padding)
 
 
+@pytest.mark.world
 def test_memory_report_measures_the_optimizer_state(dp4):
     r = dp4[0]
     assert r[f"report_{torch.float32}_True"] == float(f"{r[f'bytes_{torch.float32}'][True] / 1e9:.5g}")
     assert r[f"report_{torch.bfloat16}_False"] == float(f"{r[f'bytes_{torch.bfloat16}'][False] / 1e9:.5g}")
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sharded", [False, True])
 def test_overlapped_buckets_reduce_to_the_mean_over_ranks(dp4, dtype, sharded):
@@ -128,6 +131,7 @@ def test_overlapped_buckets_reduce_to_the_mean_over_ranks(dp4, dtype, sharded):
         assert r[f"replicas_equal_{dtype}_{sharded}"]
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sharded_step_equals_replicated_step(dp4, dtype):
     full = torch.tensor(dp4[0][f"weights_{dtype}_False"])
@@ -162,6 +166,7 @@ def dp2_reference(tmp_path_factory):
     return _losses(tmp_path_factory.mktemp("dp2"), "1x1x2")
 
 
+@pytest.mark.world
 @pytest.mark.parametrize(
     "flags",
     [
@@ -177,6 +182,7 @@ def test_dp2_loss_parity(tmp_path, dp2_reference, flags):
 
 # tp x pp x dp: all flags together, dp = 4 and 2 with pp = 2, dp = 2 with tp = 2 (dp alone: above, and
 # dp = 4 in-process; the 8-rank tp 2 x dp 4 world adds half a minute and no new path).
+@pytest.mark.world
 @pytest.mark.parametrize("layout", ["1x2x4", "1x2x2", "2x1x2"])
 def test_loss_parity_with_all_flags(tmp_path, layout):
     (tmp_path / "a").mkdir()
@@ -185,6 +191,7 @@ def test_loss_parity_with_all_flags(tmp_path, layout):
     _assert_parity(_losses(tmp_path / "b", layout, [*SHARDED, *SMALL_BUCKETS]), plain, 1e-6)
 
 
+@pytest.mark.world
 def test_bf16_loss_parity(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -208,5 +215,6 @@ def test_theoretical_memory_divides_the_optimizer_share_by_dp(bf16, full, sharde
     assert estimate(["--use-distributed-optimizer"]) / estimate([]) == pytest.approx(sharded / full)
 
 
+@pytest.mark.world
 def test_force_all_reduce_reduces_the_whole_buffer(dp4):
     assert all(r["force_all_reduce_replicated"] for r in dp4)

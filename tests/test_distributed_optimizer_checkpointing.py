@@ -13,6 +13,8 @@ from dist_helpers import loss_lines, ok, parse_losses, run_pretrain
 from job_helpers import Job, alive, children, rank_of
 from test_checkpointing import BASE, _refused
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 SHARDED = [
     "--use-distributed-optimizer",
     "--overlap-grad-reduce",

@@ -130,6 +130,7 @@ def test_each_value_is_a_run_or_one_line(pretrain_main, tmp_path, monkeypatch, c
     assert len(CASES) == 4 * len(NUMERIC_FLAGS)
 
 
+@pytest.mark.world
 def test_the_meaningful_values_train_together(tmp_path):
     combined = [
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "0", "--min-lr", "0",

@@ -87,6 +87,7 @@ LAYOUTS = {
 }  # fmt: skip
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_training_losses_match_the_unfused_run(tmp_path, layout):
     args = [*SMALL_MODEL, "--train-iters", "4", *LAYOUTS[layout]]
@@ -97,6 +98,7 @@ def test_training_losses_match_the_unfused_run(tmp_path, layout):
         assert abs(fused[it] - plain[it]) <= 1e-6 * abs(plain[it]), (it, fused[it], plain[it])
 
 
+@pytest.mark.world
 def test_bf16_training_losses(tmp_path):
     """bf16 at tp 2 with SP: the first iteration's loss is the unfused one; after updates the split
     weight-gradient sum moves the losses by far less than the unfused path's own layouts differ."""
@@ -107,6 +109,7 @@ def test_bf16_training_losses(tmp_path):
     assert all(abs(fused[it] - plain[it]) <= 5e-5 * abs(plain[it]) for it in plain), (fused, plain)
 
 
+@pytest.mark.world
 def test_a_real_runs_last_stage_peak_shrinks_by_at_least_the_logits(tmp_path):
     """pp 2 at vocabulary 32768 in bf16 on the CPU, measured by the allocated-bytes tracker
     (mem-max-allocated): the last stage's peak falls by more than one microbatch's logits (it held them
@@ -125,6 +128,7 @@ def test_a_real_runs_last_stage_peak_shrinks_by_at_least_the_logits(tmp_path):
         assert abs(measured - predicted) <= 0.03 * measured, (measured, predicted)
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("layout", ["--bf16", "--tensor-model-parallel-size 2 --sequence-parallel --bf16",
                                     "--tensor-model-parallel-size 4 --sequence-parallel --cross-entropy-fusion-chunk-tokens 64",
                                     "--pipeline-model-parallel-size 2 --defer-embedding-wgrad-compute"])  # fmt: skip
@@ -146,6 +150,7 @@ def test_the_prediction_is_the_dry_runs(layout):
     assert abs(predicted - dry) <= 0.01 * dry, (predicted, dry)
 
 
+@pytest.mark.world
 def test_the_preflight_proposes_it_when_the_last_stage_does_not_fit(tmp_path):
     argv = (
         "--num-layers 4 --hidden-size 1024 --num-attention-heads 8 --seq-length 4096 --max-position-embeddings 4096 "
@@ -157,6 +162,7 @@ def test_the_preflight_proposes_it_when_the_last_stage_does_not_fit(tmp_path):
     assert "cheapest change that fits every stage: --cross-entropy-loss-fusion " in result.stdout
 
 
+@pytest.mark.world
 def test_transformer_engine_impl_is_one_line_and_exit_2(tmp_path):
     result = run_pretrain([*SMALL_MODEL, *FUSED, "--cross-entropy-fusion-impl", "te"], tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -49,6 +49,7 @@ def _returned_on_free(setup: str, env: dict | None = None) -> int:
     return json.loads(out.splitlines()[-1])["returned"]
 
 
+@pytest.mark.world
 @glibc_only
 def test_freed_block_stays_in_the_process():
     tuned = """
@@ -59,6 +60,7 @@ def test_freed_block_stays_in_the_process():
     assert _returned_on_free(tuned) < 2**20
 
 
+@pytest.mark.world
 @glibc_only
 def test_initialize_megatron_on_cpu_keeps_freed_memory():
     """The real start-up path every CPU worker takes (a world of one, gloo)."""
@@ -82,6 +84,7 @@ def test_other_c_libraries_are_left_alone(mocker):
     cdll.assert_not_called()
 
 
+@pytest.mark.world
 def test_a_refused_setting_is_reported(mocker):
     mocker.patch.object(host_allocator.platform, "system", return_value="Linux")
     mocker.patch.object(host_allocator.platform, "libc_ver", return_value=("glibc", "2.35"))

@@ -89,6 +89,7 @@ def reference(tmp_path_factory):
     return _losses(tmp_path_factory.mktemp("ref"), [])
 
 
+@pytest.mark.world
 @pytest.mark.parametrize(
     "pp,vp,tp,dp", [(2, 2, 1, 1), (4, 2, 1, 1), (2, 4, 1, 1), (2, 2, 2, 1), (2, 2, 1, 2)]
 )
@@ -103,6 +104,7 @@ def test_interleaved_loss_matches_single_process(tmp_path, reference, pp, vp, tp
         assert abs(losses[it] - reference[it]) <= 5e-4 * reference[it], (it, losses[it], reference[it])
 
 
+@pytest.mark.world
 def test_interleaved_resume_is_bitwise_identical(tmp_path):
     args = [
         *EIGHT_LAYERS,
@@ -140,6 +142,7 @@ def _stage_peaks(tmp_path, name, extra) -> list[float]:
     return [acc.Scalars(tag.format(stage))[-1].value * 1024**3 for stage in range(PP)]
 
 
+@pytest.mark.world
 def test_stage_peaks_are_what_the_schedule_keeps_in_flight(tmp_path):
     """(pp, vp) = (4, 2), one layer per chunk: rank r's peak, in units of one layer-microbatch, is the
     schedule's largest number of microbatch-chunks in flight, (pp - r - 1) 2 + (vp - 1) pp + 1 =

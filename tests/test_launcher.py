@@ -10,8 +10,11 @@ import sys
 import termios
 import time
 
+import pytest
 from dist_helpers import PRETRAIN, SMALL_MODEL
 from job_helpers import Job, alive, children
+
+pytestmark = pytest.mark.world  # every test here starts processes
 
 LONG_RUN = ["--pipeline-model-parallel-size", "4", "--train-iters", "100000", *SMALL_MODEL]
 

@@ -37,6 +37,7 @@ def _reduce_in_world(rank, world_size):
     return {k: v.item() for k, v in reduced.items()}, len(calls)
 
 
+@pytest.mark.world
 def test_pairs_are_token_weighted_and_scalars_rank_averaged_in_one_all_reduce():
     for reduced, calls in run_world(_reduce_in_world, 2):
         assert calls == 1

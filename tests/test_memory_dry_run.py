@@ -15,6 +15,8 @@ from test_memory_preflight import _table as predicted_table
 
 from megatron_lite.training.memory.dry_run import NOT_SIMULATED
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 
 def _dry_table(stdout: str) -> dict[int, tuple[float, float]]:
     """Stage -> (predicted peak, dry run peak) in GB, from the printed table."""

@@ -11,6 +11,8 @@ from dist_helpers import REPO, SMALL_MODEL, run_pretrain, run_world
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from wandb_offline import read_history
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 PP, ITERS = 4, 4
 UNIFORM = (
     f"--pipeline-model-parallel-size {PP} --num-layers 8 --hidden-size 64 --num-attention-heads 4 "

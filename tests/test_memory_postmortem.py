@@ -47,6 +47,7 @@ sys.exit(launch([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], {pp}
 """
 
 
+@pytest.mark.world
 def test_an_out_of_memory_rank_names_its_stage_and_leaves_a_post_mortem(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(repo=str(REPO), pp=PP))
@@ -90,6 +91,7 @@ def test_out_of_memory_errors_are_recognised():
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
 
 
+@pytest.mark.world
 def test_memory_history_is_refused_without_cuda(tmp_path):
     result = run_pretrain([*MODEL, "--record-memory-history"], tmp_path)
     assert result.returncode == 2

@@ -10,6 +10,7 @@ import re
 import shlex
 import time
 
+import pytest
 from dist_helpers import REPO, run_pretrain
 
 # Recomputation already full, one rank per stage, 16384 learned position rows on the first stage.
@@ -47,6 +48,7 @@ def _table(stdout: str) -> dict[int, float]:
     return {int(r[0]): float(r[6]) for r in rows}
 
 
+@pytest.mark.world
 def test_the_readme_cluster_example_fits_an_80_gb_gpu(tmp_path):
     argv = readme_cluster_argv()
     result = _preflight(tmp_path, argv, 80)
@@ -57,6 +59,7 @@ def test_the_readme_cluster_example_fits_an_80_gb_gpu(tmp_path):
     assert "verdict: fits" in result.stdout
 
 
+@pytest.mark.world
 def test_a_layout_that_does_not_fit_names_the_stage_and_the_fix_that_makes_it_fit(tmp_path):
     argv = readme_cluster_argv()
     totals = _table(_preflight(tmp_path, argv, 80).stdout)
@@ -72,6 +75,7 @@ def test_a_layout_that_does_not_fit_names_the_stage_and_the_fix_that_makes_it_fi
     assert "verdict: fits" in applied.stdout
 
 
+@pytest.mark.world
 def test_preflight_bad_input_is_one_line_and_exit_2(tmp_path):
     argv = readme_cluster_argv()
     for extra, message in (
@@ -109,6 +113,7 @@ def test_a_first_stage_heavy_layout_is_fixed_by_moving_layers_to_the_last_stage(
     assert preflight([*argv, *fix], device, out) == 0, out.getvalue()
 
 
+@pytest.mark.world
 def test_the_json_holds_the_table_the_verdict_and_the_fix(tmp_path):
     """--memory-preflight-json FILE: per stage the bytes the table shows in GB, the verdict and the
     flags of the fix; a FILE that cannot be written is one line before anything runs."""

@@ -160,6 +160,7 @@ def _split_logits_in_world(rank: int, world: int, split: str) -> float:
         return _relative_error(split_model(tokens[:, positions], None), expected[positions])
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("split", ["tp", "cp"])
 def test_llama_shaped_logits_are_the_same_split_over_two_ranks(split):
     """Query groups split over TP ranks and rotary angles of each CP rank's global positions give

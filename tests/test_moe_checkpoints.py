@@ -13,6 +13,8 @@ from dist_helpers import SMALL_MODEL, loss_lines, ok, parse_losses, run_pretrain
 
 from megatron_lite.core.dist_checkpointing import load_metadata
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 MOE = [
     *SMALL_MODEL,
     *("--train-iters", "6", "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from memory_measure import measure
 from test_moe_memory import RUN
 
@@ -16,6 +17,7 @@ from megatron_lite.training.memory.predict.moe import routed_rows
 PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
 
 
+@pytest.mark.world
 def test_with_padded_capacity_every_stage_is_the_real_runs_peak_within_3_percent(tmp_path):
     argv = [*RUN, *PADDED]
     out = io.StringIO()
@@ -28,6 +30,7 @@ def test_with_padded_capacity_every_stage_is_the_real_runs_peak_within_3_percent
         assert abs(d.max_allocated_bytes - m) <= 0.03 * m, (stage, m, d.max_allocated_bytes)
 
 
+@pytest.mark.world
 def test_without_capacity_the_real_runs_peak_stays_under_the_worst_routings_and_that_is_judged(tmp_path):
     out = io.StringIO()
     dry = dry_run_stages(parse_args(RUN), out=out)

@@ -285,6 +285,7 @@ def test_the_python_api_gets_the_same_checks(fields, error):
         cfg.validate()
 
 
+@pytest.mark.world
 def test_pretrain_refuses_a_bad_moe_layout_in_one_line(tmp_path):
     result = run_pretrain([*MOE, "--expert-model-parallel-size", "2", "--save", "ck"], tmp_path)
     assert result.returncode == 2
@@ -308,6 +309,7 @@ def _expert_group_sizes(rank: int, world: int, argv: list[str]) -> tuple[int, in
     )
 
 
+@pytest.mark.world
 def test_initialize_builds_the_expert_groups_of_the_flags():
     argv = [*MOE, *TP2, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
     sizes = run_world(_expert_group_sizes, 4, [*argv, "--nproc-per-node", "4"])

@@ -140,6 +140,7 @@ def _layer_on_rank(rank, world, tp, ep, etp, overrides):
         parallel_state.destroy_model_parallel()
 
 
+@pytest.mark.world
 @pytest.mark.parametrize(
     "tp,ep,etp,dispatcher",
     [

@@ -85,6 +85,7 @@ RUN = (
 ).split()
 
 
+@pytest.mark.world
 def test_with_padded_capacity_every_stage_matches_its_measured_activations_within_3_percent(tmp_path):
     argv = [*RUN, "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
     stages = measure(argv, 4, tmp_path, quiet=True)
@@ -96,6 +97,7 @@ def test_with_padded_capacity_every_stage_matches_its_measured_activations_withi
         assert abs(predicted / measured - 1) <= 0.03, (stage, measured, predicted)
 
 
+@pytest.mark.world
 def test_without_capacity_each_stage_stays_under_the_worst_routing_bound(tmp_path):
     stages = measure(RUN, 4, tmp_path, quiet=True)
     predictions = predict_memory_per_stage(parse_args(RUN))

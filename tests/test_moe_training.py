@@ -7,6 +7,8 @@ import pytest
 from dist_helpers import SMALL_MODEL, parse_losses, run_pretrain
 from test_memory_logging import scalars
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 ITERS = 8
 
 # Llama-shaped MoE: 4 experts, top-2, a load-balancing and a z loss, a shared expert.

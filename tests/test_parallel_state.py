@@ -112,6 +112,7 @@ def check_all_layouts(rank: int, world: int, cases: list[dict]) -> int:
     return checked
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_groups_match_megatron_core(world):
     cases = oracle_layouts(world)
@@ -144,6 +145,7 @@ def _bad_world_size(rank, world):
     return True
 
 
+@pytest.mark.world
 def test_invalid_layouts_are_refused():
     assert run_world(_bad_world_size, 2) == [True, True]
 
@@ -192,6 +194,7 @@ def _expert_groups(rank: int, world: int, cases: list[dict]) -> int:
     return len(cases)
 
 
+@pytest.mark.world
 def test_expert_parallel_groups_match_megatron_core():
     """megatron-core's expert grid: expert TP x EP x expert DP x PP, context parallelism folded into
     expert data parallelism, its pipelines the dense ones."""

@@ -12,6 +12,8 @@ import sys
 import pytest
 from dist_helpers import REPO
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 TINY = "--rounds 1 --skip-scaling --hidden-size 64 --seq-length 32 --vocab-size 128".split()
 
 

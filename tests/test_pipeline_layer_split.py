@@ -123,6 +123,7 @@ def reference(tmp_path_factory):
     return _losses(tmp_path_factory.mktemp("one"), [])
 
 
+@pytest.mark.world
 @pytest.mark.parametrize(
     "split",
     [
@@ -143,6 +144,7 @@ def test_uneven_split_loss_matches_single_process(tmp_path, reference, split):
         assert losses[it] == pytest.approx(reference[it], rel=5e-4), (it, losses, reference)
 
 
+@pytest.mark.world
 def test_checkpoint_of_another_split_is_refused(tmp_path):
     pp2 = ["--pipeline-model-parallel-size", "2", "--train-iters", "2"]
     saved = run_pretrain(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_world
@@ -62,6 +63,7 @@ def _peak_activation_bytes(rank, world, microbatches_list):
     return peaks
 
 
+@pytest.mark.world
 def test_stage_i_holds_at_most_pp_minus_i_microbatches():
     pp = 4
     results = run_world(_peak_activation_bytes, pp, [1, 8])
@@ -92,6 +94,7 @@ def _p2p_roundtrip(rank, world):
     return out
 
 
+@pytest.mark.world
 def test_named_p2p_calls_are_noops_at_the_ends():
     results = run_world(_p2p_roundtrip, 3)
     assert results[0] == (None, 4.0)  # first stage receives nothing forward; grad 2 * 2 from stage 1
@@ -173,6 +176,7 @@ def _bf16_optimizer(rank, world):
     )
 
 
+@pytest.mark.world
 def test_bf16_keeps_fp32_master_weights_and_state():
     ok, has_norm, param_dtypes, master_dtypes, state_dtypes, changed = run_world(_bf16_optimizer, 1)[0]
     assert ok and has_norm and changed
@@ -196,6 +200,7 @@ def _dp_grads_equal(rank, world):
     return torch.allclose(synced, torch.stack(everyone).mean(0), atol=1e-7), not torch.equal(local, synced)
 
 
+@pytest.mark.world
 def test_data_parallel_averages_gradients_once():
     assert run_world(_dp_grads_equal, 2) == [(True, True), (True, True)]
 
@@ -268,6 +273,7 @@ def _nan_handling(rank, world):
     return ok, math.isnan(grad_norm), unchanged, lines
 
 
+@pytest.mark.world
 def test_nan_gradients_skip_the_update_and_are_counted():
     ok, norm_is_nan, unchanged, lines = run_world(_nan_handling, 1)[0]
     assert not ok and norm_is_nan and unchanged
@@ -294,6 +300,7 @@ def _rng_streams(rank, world):
     return tp_stream.tolist(), default_stream.tolist(), untouched.tolist()
 
 
+@pytest.mark.world
 def test_dropout_streams_differ_per_tp_rank_and_leave_the_default_stream_alone():
     (tp0, default0, plain0), (tp1, default1, plain1) = run_world(_rng_streams, 2)
     assert tp0 != tp1  # attention dropout: different heads, different masks

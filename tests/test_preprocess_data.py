@@ -41,6 +41,7 @@ def _args(root, vocab, merges, *extra, inp="two_keys.jsonl", prefix="out/data"):
     ]  # fmt: skip
 
 
+@pytest.mark.world
 def test_megatron_core_reads_the_output_with_identical_tokens_and_documents(corpus):
     root, vocab, merges = corpus
     args = _args(root, vocab, merges, "--json-keys", "text", "title", "--append-eod", "--workers", "2")
@@ -64,6 +65,7 @@ def test_megatron_core_reads_the_output_with_identical_tokens_and_documents(corp
         assert theirs.document_indices.tolist() == [0, *ends]
 
 
+@pytest.mark.world
 def test_one_worker_and_two_write_identical_files(corpus):
     root, vocab, merges = corpus
     for workers in ("1", "2"):

@@ -15,6 +15,7 @@ from megatron_lite.training.config.profiling import ProfilingConfig
 PIPELINE = [*SMALL_MODEL, "--pipeline-model-parallel-size", "2", "--train-iters", "4", "--seed", "3"]
 
 
+@pytest.mark.world
 def test_each_profiled_rank_writes_a_trace_of_the_profiled_steps_and_losses_are_unchanged(tmp_path):
     for run in ("plain", "profiled"):
         (tmp_path / run).mkdir()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from dist_helpers import run_world
 
@@ -19,6 +20,8 @@ from megatron_lite.training.config import (
     TrainingConfig,
     ValidationConfig,
 )
+
+pytestmark = pytest.mark.world  # every test here starts processes
 
 SEQ, VOCAB = 32, 128
 

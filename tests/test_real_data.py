@@ -83,6 +83,7 @@ def unigram_entropy(prefix: str) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+@pytest.mark.world
 def test_training_on_real_text_falls_below_the_unigram_entropy(corpus, trained):
     _run, straight, _ = trained
     losses = parse_losses(straight.stdout)
@@ -95,6 +96,7 @@ def test_training_on_real_text_falls_below_the_unigram_entropy(corpus, trained):
     assert " > padded vocab (size: 320) with 64 dummy tokens (new size: 384)" in straight.stdout
 
 
+@pytest.mark.world
 def test_resume_on_real_data_is_bitwise_identical(trained):
     _run, straight, resumed = trained
     expected, got = loss_lines(straight.stdout), loss_lines(resumed.stdout)
@@ -104,6 +106,7 @@ def test_resume_on_real_data_is_bitwise_identical(trained):
     assert _validation_lines(straight.stdout)[1] == _validation_lines(resumed.stdout)[0]
 
 
+@pytest.mark.world
 def test_indices_are_cached_under_data_cache_path_only(corpus, trained):
     run, _, _ = trained
     cached = sorted(p.name.split("-", 1)[1] for p in (run / "cache").iterdir())
@@ -111,6 +114,7 @@ def test_indices_are_cached_under_data_cache_path_only(corpus, trained):
     assert not (corpus[0] / "docs_text_document").exists()  # upstream's default place, unused here
 
 
+@pytest.mark.world
 def test_an_unreadable_index_cache_is_one_line_from_the_workers(corpus, trained, tmp_path):
     run, _, _ = trained
     cache = tmp_path / "cache"
@@ -123,6 +127,7 @@ def test_an_unreadable_index_cache_is_one_line_from_the_workers(corpus, trained,
     assert len(lines) == 1 and f"{bad}: not a readable index cache" in lines[0], result.stderr
 
 
+@pytest.mark.world
 def test_data_flags_map_onto_the_dataset_and_tokenizer_sections(corpus, tmp_path, capsys):
     _root, prefix, vocab, merges = corpus
     cfg = parse_args(
@@ -224,6 +229,7 @@ def _bad_inputs(root, prefix, vocab, merges):
     ]
 
 
+@pytest.mark.world
 def test_each_bad_data_input_is_one_line_naming_the_flag(corpus, capsys):
     root, prefix, vocab, merges = corpus
     for argv, flag, *words in _bad_inputs(root, prefix, vocab, merges):
@@ -235,6 +241,7 @@ def test_each_bad_data_input_is_one_line_naming_the_flag(corpus, capsys):
         assert all(w in err for w in words) and "Traceback" not in err, (argv, err)
 
 
+@pytest.mark.world
 def test_bad_data_input_starts_no_worker_and_writes_nothing(corpus, tmp_path):
     root, prefix, vocab, merges = corpus
     before = sorted(p.name for p in root.iterdir())
@@ -244,6 +251,7 @@ def test_bad_data_input_starts_no_worker_and_writes_nothing(corpus, tmp_path):
     assert list(tmp_path.iterdir()) == [] and sorted(p.name for p in root.iterdir()) == before
 
 
+@pytest.mark.world
 def test_eod_mask_loss_and_reset_position_ids_shape_the_samples(corpus, tmp_path):
     eod = 0  # <|endoftext|>, the BPE's first token
     plain = parse_args(_data(corpus, "--data-cache-path", str(tmp_path)))

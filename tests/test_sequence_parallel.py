@@ -4,6 +4,7 @@ their sequence shard for backward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_world
@@ -13,6 +14,8 @@ from megatron_lite.core.models.gpt.gpt_model import GPTModel
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 from megatron_lite.training.memory.saved_tensors import ActivationMemoryTracker
+
+pytestmark = pytest.mark.world  # every test here starts processes
 
 SEQ, VOCAB = 16, 128
 

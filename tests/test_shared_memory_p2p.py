@@ -56,6 +56,7 @@ def _relay(rank, world, switched_off):
     return received, grads, p2p._shared_memory is not None, names_after_setup, _channel_names(p2p)
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("switched_off", [False, True], ids=["shared-memory", "gloo"])
 def test_stages_relay_every_message_exactly(switched_off):
     results = run_world(_relay, 3, switched_off)
@@ -82,6 +83,7 @@ def _mismatch(rank, world):
     return "raised"
 
 
+@pytest.mark.world
 def test_stages_that_disagree_on_the_shape_get_an_error():
     assert run_world(_mismatch, 2) == [None, "raised"]
 
@@ -101,6 +103,7 @@ def _peer_closes(rank, world):
     return time.monotonic() - start
 
 
+@pytest.mark.world
 def test_a_peer_that_goes_away_fails_its_neighbours_calls_instead_of_hanging():
     assert run_world(_peer_closes, 2, timeout=60)[0] < 30
 
@@ -145,6 +148,7 @@ def _both_transports(rank, world):
     return _one_step(world, switched_off=False), _one_step(world, switched_off=True)
 
 
+@pytest.mark.world
 def test_losses_and_gradients_are_bitwise_those_over_gloos_sockets():
     results = run_world(_both_transports, 3)
     assert len(results[-1][0][0]) == 6  # the last stage's microbatch losses
@@ -220,6 +224,7 @@ def _finished_sender(rank, world):
     return float(p2p.recv_forward((3, 2, 8)).detach().sum())  # handing the buffer back finds no one
 
 
+@pytest.mark.world
 def test_a_message_from_a_sender_that_already_exited_is_still_received():
     assert run_world(_finished_sender, 2) == [None, 48.0]
 
@@ -235,6 +240,7 @@ def _silent_neighbour(rank, world):
     return rank
 
 
+@pytest.mark.world
 def test_a_neighbour_that_sends_nothing_times_out_as_gloo_would():
     assert run_world(_silent_neighbour, 2, timeout=60) == [0, 1]
 
@@ -257,6 +263,7 @@ def _fd_open(fd: int) -> bool:
         return False
 
 
+@pytest.mark.world
 def test_destroying_the_groups_closes_their_channels():
     for fds_after, still_open in run_world(_released, 2):
         assert fds_after == [-1] and still_open == [False]

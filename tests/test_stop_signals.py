@@ -20,6 +20,8 @@ from dist_helpers import PRETRAIN, SMALL_MODEL, free_port
 
 from megatron_lite.training.utils.sig_utils import STOP_GRACE_S
 
+pytestmark = pytest.mark.world  # every test here starts processes
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 # Runs a command as a non-interactive shell runs `command &` (SIGINT and SIGQUIT ignored), with the

@@ -66,6 +66,7 @@ def _argv(tp, pp, vp, extra):
     return argv + (["--virtual-pipeline-model-parallel-size", str(vp)] if vp > 1 else [])
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_prediction_matches_every_stage_of_a_real_run(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)

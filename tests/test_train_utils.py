@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed
 from dist_helpers import run_world
@@ -120,6 +121,7 @@ def _reduce_in_real_world(rank, world):
     return report, reduced, peak, stages
 
 
+@pytest.mark.world
 def test_real_gloo_world_of_four():
     results = run_world(_reduce_in_real_world, 4)
     reports = [r[0] for r in results]
@@ -288,6 +290,7 @@ def _memory_metrics_with_growing_retries(rank, world):
     return pipeline.memory_metrics(logger, 1, torch.distributed.group.WORLD)
 
 
+@pytest.mark.world
 def test_growing_allocator_retries_print_one_hint_on_the_writer(capfd):
     results = run_world(_memory_metrics_with_growing_retries, 2)
     assert results[1]["memory/peak-stage"] == 1 and results[1]["memory/mem-alloc-retries-delta"] == 3

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from dist_helpers import SMALL_MODEL, run_pretrain
 from test_memory_logging import scalars
+
+pytestmark = pytest.mark.world  # every test here starts processes
 
 ITERATION_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +6 \| consumed samples: +(\d+) \| "

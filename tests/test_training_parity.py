@@ -28,10 +28,12 @@ def reference(tmp_path_factory):
     return _losses(tmp_path_factory.mktemp("ref"), 1, 1, 1)
 
 
+@pytest.mark.world
 def test_single_process_loss_falls(reference):
     assert reference[ITERS] < reference[1] - 0.05
 
 
+@pytest.mark.world
 @pytest.mark.parametrize(
     "tp,pp,dp,cp", [(1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 2, 1), (1, 2, 1, 2), (1, 1, 2, 2)]
 )
@@ -42,6 +44,7 @@ def test_loss_matches_single_process(tmp_path, reference, tp, pp, dp, cp):
     assert losses[ITERS] < losses[1]
 
 
+@pytest.mark.world
 def test_untied_embeddings_parity(tmp_path):
     untie = ["--untie-embeddings-and-output-weights"]
     (tmp_path / "a").mkdir()
@@ -52,6 +55,7 @@ def test_untied_embeddings_parity(tmp_path):
         assert abs(pipelined[it] - single[it]) <= 5e-4 * abs(single[it])
 
 
+@pytest.mark.world
 def test_bf16_trains_with_fp32_masters_close_to_fp32(tmp_path, reference):
     bf16 = _losses(tmp_path, 1, 2, 1, ["--bf16"])
     assert bf16[ITERS] < bf16[1]
@@ -72,6 +76,7 @@ def llama_reference(tmp_path_factory):
     return _losses(tmp_path_factory.mktemp("llama_ref"), 1, 1, 1, LLAMA)
 
 
+@pytest.mark.world
 @pytest.mark.parametrize(
     "tp,pp,dp,cp", [(2, 1, 1, 1), (1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 1, 2), (1, 1, 2, 1)]
 )
@@ -83,11 +88,13 @@ def test_llama_shaped_loss_matches_single_process(tmp_path, llama_reference, tp,
     assert losses[ITERS] < losses[1]
 
 
+@pytest.mark.world
 def test_llama_shaped_loss_differs_from_gpt2_shaped(llama_reference, reference):
     """The flags change the model: the same seed and data give another loss curve."""
     assert abs(llama_reference[ITERS] - reference[ITERS]) > 1e-3
 
 
+@pytest.mark.world
 def test_llama_shaped_with_dropout_trains_under_tp_and_cp(tmp_path, llama_reference):
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     losses = _losses(tmp_path, 2, 1, 1, [*LLAMA, *dropout], cp=2)
@@ -96,6 +103,7 @@ def test_llama_shaped_with_dropout_trains_under_tp_and_cp(tmp_path, llama_refere
     assert losses != llama_reference  # the masks did act
 
 
+@pytest.mark.world
 @pytest.mark.parametrize("tp,pp,cp", [(2, 1, 1), (2, 2, 1), (2, 1, 2)])
 def test_sequence_parallel_loss_matches_single_process(tmp_path, reference, tp, pp, cp):
     losses = _losses(tmp_path, tp, pp, 1, ["--sequence-parallel"], cp=cp)

@@ -224,6 +224,7 @@ def _step_through_schedule(rank, world):
     return reported, manual, torch.allclose(scheduled, by_hand, atol=1e-7)
 
 
+@pytest.mark.world
 def test_our_step_through_the_schedule_matches_the_step_mean():
     reported, manual, grads_match = run_world(_step_through_schedule, 1)[0]
     assert reported == pytest.approx(manual, abs=1e-6) and grads_match

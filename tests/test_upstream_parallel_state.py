@@ -140,6 +140,7 @@ def _in_world(rank: int, world: int, oracle: dict) -> bool:
     return True
 
 
+@pytest.mark.world
 def test_upstream_surface_in_a_world():
     oracle = _expert_oracle(2, 2, 1, 1, "tp-cp-ep-dp-pp")
     assert run_world(_in_world, 2, oracle) == [True] * 2

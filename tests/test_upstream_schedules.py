@@ -390,6 +390,7 @@ def _p2p_signatures(rank, world):
     return out
 
 
+@pytest.mark.world
 def test_p2p_communicator_upstream_calls():
     first, second = run_world(_p2p_signatures, 2)
     assert first == {"stage": (0, 2, True, False), "got": 20.0}

@@ -317,6 +317,7 @@ def _world(rank, world):
     return min_max, out.getvalue(), per_rank, received
 
 
+@pytest.mark.world
 def test_timers_and_signals_agree_across_a_real_world():
     results = run_world(_world, 2)
     for min_max, _, per_rank, received in results:

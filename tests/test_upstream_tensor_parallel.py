@@ -358,5 +358,6 @@ def _tp_world(rank: int, world: int) -> bool:
     return dist.get_world_size()
 
 
+@pytest.mark.world
 def test_tensor_parallel_collectives():
     assert run_world(_tp_world, 2) == [2, 2]

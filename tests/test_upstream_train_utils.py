@@ -387,6 +387,7 @@ def _world_reductions(rank, world):
     return calc_params_l2_norm(model, SimpleNamespace(bf16=False)), (all_true, one_false, lr, none)
 
 
+@pytest.mark.world
 def test_params_norm_and_model_parallel_reductions_over_a_real_group():
     """Each parameter counts once over the TP ranks; None learning rates are absent from the max."""
     expected = math.sqrt(3 * 1 + 3 * 4 + 4 * 4)
@@ -411,6 +412,7 @@ def _expert_parallel_norm(rank, world):
         ps.destroy_model_parallel()
 
 
+@pytest.mark.world
 def test_params_norm_sums_expert_parameters_over_the_expert_parallel_ranks():
     expected = math.sqrt(4 * 4 + 3 * 1 + 3 * 4)
     assert run_world(_expert_parallel_norm, 2) == [pytest.approx(expected)] * 2
