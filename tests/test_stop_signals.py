@@ -123,3 +123,41 @@ def test_a_child_started_after_an_async_save_can_be_stopped(tmp_path):
         bit = 1 << (sig - 1)
         assert not report["SigBlk"] & bit, f"{signal.Signals(sig).name} blocked in a child"
         assert not report["SigIgn"] & bit, f"{signal.Signals(sig).name} ignored in a child"
+
+
+_STOPPED_IN_DEL = """
+import os, signal, sys, time
+from megatron_lite.training.utils.sig_utils import exit_promptly_on
+
+exit_promptly_on({signal.SIGTERM}, grace_s=30.0)
+
+
+class Releases:
+    def __del__(self):  # a saved-tensor release, say: the signal lands in here
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            pass
+
+
+try:
+    Releases()
+    while True:
+        time.sleep(0.01)
+finally:
+    print("unwound", flush=True)
+"""
+
+
+@pytest.mark.world
+def test_a_stop_signal_inside_a_del_unwinds_without_a_traceback(tmp_path):
+    """Python cannot raise a handler's exception out of a ``__del__``: it would drop it and print a
+    traceback. The signal is sent again instead, and the process unwinds from its main code (its
+    finally-blocks run) with 128 + SIGTERM, well before the watchdog's 30 s."""
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", _STOPPED_IN_DEL], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert result.stdout == "unwound\n" and result.stderr == "", result.stderr
+    assert time.monotonic() - start < 20

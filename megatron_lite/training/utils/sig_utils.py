@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -89,6 +90,36 @@ def raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
+# How soon a stop signal dropped inside a __del__ is sent again (see _resend_dropped_stops).
+RESEND_S = 0.01
+
+
+def _stop_signal_of(exc: BaseException | None) -> int | None:
+    """The stop signal whose handler raised ``exc`` (raise_exit's code, or SIGINT's KeyboardInterrupt)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(exc, SystemExit) and isinstance(exc.code, int) and exc.code > 128:
+        return exc.code - 128
+    return None
+
+
+def _resend_dropped_stops(signals: set[int], previous):
+    """A ``sys.unraisablehook``. A stop signal whose handler ran inside a ``__del__`` (a saved-tensor
+    release, say) raises where Python cannot propagate: the exception is dropped there, and Python
+    prints it with a traceback. Instead, say nothing and send the signal again a moment later, to
+    unwind from the code that was running (the watchdog's deadline stands). Other ones go on to
+    ``previous``."""
+
+    def hook(unraisable) -> None:
+        signum = _stop_signal_of(unraisable.exc_value)
+        if signum in signals:
+            threading.Timer(RESEND_S, os.kill, (os.getpid(), signum)).start()
+            return
+        previous(unraisable)
+
+    return hook
+
+
 def exit_promptly_on(signals: set[int], grace_s: float = STOP_GRACE_S) -> None:
     """After one of ``signals``, this process is gone within ``grace_s`` seconds, whatever it is doing.
 
@@ -103,11 +134,14 @@ def exit_promptly_on(signals: set[int], grace_s: float = STOP_GRACE_S) -> None:
     others), and each is unblocked: what a process inherits would otherwise make it deaf to them. A
     shell starts a background job with SIGINT ignored, and Python then installs no handler of its own;
     a parent may pass on a mask that blocks them (issue 52: workers that never stopped on SIGINT).
+    A handler that runs inside a ``__del__`` cannot unwind from there: the signal is sent again
+    (``_resend_dropped_stops``) instead of a traceback being printed.
     """
     for sig in signals:
         if not callable(signal.getsignal(sig)):  # SIG_IGN, SIG_DFL, or set outside Python (None)
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else raise_exit)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    sys.unraisablehook = _resend_dropped_stops(set(signals), sys.unraisablehook)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
