@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.core.tensor_parallel.mappings import _gather, _reduce_scatter
+from megatron_lite.core.tensor_parallel.collectives import _gather, _reduce_scatter
 
 
 def _wgrad(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.Tensor:
