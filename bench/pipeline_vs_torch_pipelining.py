@@ -56,7 +56,7 @@ from pipeline_training_steps import TorchPipelineStage, mock_batches, peer_loss 
 from megatron_lite.core import parallel_state as ps  # noqa: E402
 from megatron_lite.core.distributed import DistributedDataParallel, finalize_model_grads  # noqa: E402
 from megatron_lite.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron_lite.core.pipeline_parallel.interleaved import in_flight_microbatch_chunks  # noqa: E402
+from megatron_lite.core.pipeline_parallel.schedule_order import in_flight_microbatch_chunks  # noqa: E402
 from megatron_lite.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron_lite.models.gpt_provider import GPTModelProvider  # noqa: E402
 from megatron_lite.training.config import ConfigContainer  # noqa: E402

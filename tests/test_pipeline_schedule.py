@@ -170,7 +170,7 @@ def _bf16_optimizer(rank, world):
         ok,
         norm > 0,
         {p.dtype for p in model.parameters()},
-        {m.dtype for m in opt.masters},
+        {u.main.dtype for u in opt.units},
         state_dtypes,
         changed,
     )

@@ -31,13 +31,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core.tensor_parallel.collectives import _gather, _reduce_scatter
 from megatron_lite.core.tensor_parallel.cross_entropy import _all_reduce
 from megatron_lite.core.tensor_parallel.linear_wgrad import defers_wgrad
-from megatron_lite.core.tensor_parallel.mappings import (
-    _gather,
-    _reduce_scatter,
-    copy_to_tensor_model_parallel_region,
-)
+from megatron_lite.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron_lite.core.tensor_parallel.utils import VocabUtility
 from megatron_lite.core.utils import get_pg_rank, get_pg_size
 
@@ -46,17 +43,26 @@ from megatron_lite.core.utils import get_pg_rank, get_pg_size
 CHUNK_BUDGET_BYTES = {"cuda": 64 << 20, "cpu": 32 << 20}
 
 
+def _rows_in_budget(row_bytes: int, device_type: str) -> int:
+    """The device's budget's worth of rows of ``row_bytes`` each, at least one."""
+    return max(1, CHUNK_BUDGET_BYTES.get(device_type, CHUNK_BUDGET_BYTES["cuda"]) // row_bytes)
+
+
 def default_chunk_tokens(vocab_per_rank: int, device_type: str) -> int:
-    """Tokens per chunk for a device: its budget's worth of fp32 logits rows, at least one."""
-    budget = CHUNK_BUDGET_BYTES.get(device_type, CHUNK_BUDGET_BYTES["cuda"])
-    return max(1, budget // (4 * vocab_per_rank))
+    """Tokens per chunk for a device: its budget's worth of fp32 logits rows."""
+    return _rows_in_budget(4 * vocab_per_rank, device_type)
 
 
 def wgrad_slice_rows(hidden: int, element_size: int, device_type: str) -> int:
     """Rows of the weight gradient a bf16 chunk makes at a time before adding them into the fp32
-    ``main_grad``: the device's budget's worth, at least one."""
-    budget = CHUNK_BUDGET_BYTES.get(device_type, CHUNK_BUDGET_BYTES["cuda"])
-    return max(1, budget // (element_size * hidden))
+    ``main_grad``: the device's budget's worth."""
+    return _rows_in_budget(element_size * hidden, device_type)
+
+
+def local_rows_per_chunk(chunk_tokens: int, tp: int) -> int:
+    """Each rank's rows in one chunk of ``chunk_tokens`` gathered rows (under SP ``tp`` ranks
+    contribute to every chunk; without it ``tp`` is 1), at least one."""
+    return max(1, chunk_tokens // tp)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -111,10 +117,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         wants = ctx.needs_input_grad[1]
         deferred = wants and defers_wgrad(ctx.grad_output_buffer, ctx.wgrad_deferral_limit)
         # Where DDP gave the weight an fp32 main_grad, the chunks add into it (upstream's
-        # gradient-accumulation fusion); else one weight-sized gradient, returned to autograd.
-        main_grad = ctx.main_grad if wants and not deferred else None
-        own = wants and not deferred and main_grad is None
-        grad_weight = torch.zeros_like(weight) if own else None
+        # gradient-accumulation fusion); else into one weight-sized gradient, returned to autograd.
+        takes = wants and not deferred  # this backward computes the weight gradient
+        grad_weight = torch.zeros_like(weight) if takes and ctx.main_grad is None else None
+        wgrad_into = (ctx.main_grad if grad_weight is None else grad_weight) if takes else None
         slice_rows = wgrad_slice_rows(weight.size(1), weight.element_size(), weight.device.type)
         stats = (top, total_exp)
         for local, x_rows, at in chunks:
@@ -123,10 +129,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(grad, weight, out=grad_local[local])
             else:  # this rank's rows of the chunk's input gradient, summed over the group
                 grad_local[local] = _reduce_scatter(torch.mm(grad, weight), group, 0)
-            if main_grad is not None:
-                _add_wgrad(main_grad, grad, x_rows, slice_rows)
-            elif grad_weight is not None:
-                grad_weight.addmm_(grad.t(), x_rows)
+            if wgrad_into is not None:
+                _add_wgrad(wgrad_into, grad, x_rows, slice_rows)
             del grad, x_rows  # one chunk's buffers at a time
         if deferred:  # drain_wgrad calls it with the re-gathered input at the flush
             ctx.grad_output_buffer.append(
@@ -156,7 +160,7 @@ class _Rows:
     def __init__(self, local: torch.Tensor, group, sequence_parallel: bool, chunk_tokens: int):
         self.local, self.group = local, group
         self.tp = get_pg_size(group) if sequence_parallel else 1
-        self.step = max(1, chunk_tokens // self.tp)
+        self.step = local_rows_per_chunk(chunk_tokens, self.tp)
 
     @property
     def tokens(self) -> int:
@@ -174,15 +178,16 @@ class _Rows:
             yield local, _gather(self.local[local], self.group, 0), index
 
 
-def _add_wgrad(main_grad: torch.Tensor, grad: torch.Tensor, x_rows: torch.Tensor, slice_rows: int) -> None:
-    """``main_grad += grad^T x_rows``, as upstream's gradient-accumulation fusion: no weight-sized
-    gradient. An fp32 GEMM adds in place; a bf16 one makes ``slice_rows`` rows of it at a time."""
-    if grad.dtype == main_grad.dtype:
-        main_grad.addmm_(grad.t(), x_rows)
+def _add_wgrad(into: torch.Tensor, grad: torch.Tensor, x_rows: torch.Tensor, slice_rows: int) -> None:
+    """``into += grad^T x_rows``: in place when the dtypes agree (a gradient of the weight's dtype, or
+    fp32 throughout); into an fp32 ``main_grad`` from bf16, as upstream's gradient-accumulation fusion
+    and with no weight-sized gradient, ``slice_rows`` rows at a time."""
+    if grad.dtype == into.dtype:
+        into.addmm_(grad.t(), x_rows)
         return
-    for start in range(0, main_grad.size(0), slice_rows):
+    for start in range(0, into.size(0), slice_rows):
         rows = slice(start, start + slice_rows)
-        main_grad[rows].add_(torch.mm(grad[:, rows].t(), x_rows))
+        into[rows].add_(torch.mm(grad[:, rows].t(), x_rows))
 
 
 class _DeferredWgrad:
@@ -196,14 +201,12 @@ class _DeferredWgrad:
         weight, main_grad, stats, local_target, hit, grad_loss, chunk = self.parts
         x = total_input.reshape(-1, total_input.size(-1))
         grad_weight = torch.zeros_like(weight) if main_grad is None else None
+        into = main_grad if grad_weight is None else grad_weight
         slice_rows = wgrad_slice_rows(weight.size(1), weight.element_size(), weight.device.type)
         for start in range(0, x.size(0), chunk):
             rows = slice(start, start + chunk)
             grad = _logits_grad(x[rows], weight, stats, rows, local_target, hit, grad_loss)
-            if main_grad is not None:
-                _add_wgrad(main_grad, grad, x[rows], slice_rows)
-            else:
-                grad_weight.addmm_(grad.t(), x[rows])
+            _add_wgrad(into, grad, x[rows], slice_rows)
             del grad
         return grad_weight
 

@@ -28,19 +28,19 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class _ShardRange:
-    """The part ``[start, end)`` (flat, within ``param``) of one parameter in this rank's shard."""
+    """The part ``[start, end)`` (flat, within ``param``) of one parameter in this rank's shard: a
+    MainParam whose ``model`` is that part of the parameter buffer."""
 
     def __init__(self, param, buffer, bucket, start, end, local_start):
         self.param, self.buffer, self.bucket = param, buffer, bucket
         self.start, self.end = start, end
         self.local_start = local_start  # where it sits in this rank's shard of the bucket
         begin = buffer.param_index_map[param][0]
-        self.model_view = buffer.param_data[begin + start : begin + end]
+        self.model = buffer.param_data[begin + start : begin + end]
         self.grad_view = buffer.grad_data[begin + start : begin + end]
         # fp32 model: update the parameter buffer in place; otherwise an fp32 master copy.
         fp32 = param.dtype == torch.float32
-        self.main = self.model_view if fp32 else self.model_view.detach().float()
-        self.model = self.model_view  # where the updated main values go (MainParam's name)
+        self.main = self.model if fp32 else self.model.detach().float()
 
 
 def _shard_ranges(model_chunks) -> list[_ShardRange]:
@@ -111,11 +111,10 @@ class DistributedOptimizer(MegatronOptimizer):
         )
 
     def _main_params(self) -> list[_ShardRange]:
-        self.ranges = _shard_ranges(self.model_chunks)
-        return self.ranges
+        return _shard_ranges(self.model_chunks)
 
     def _gradients(self) -> list[torch.Tensor]:
-        return [r.grad_view for r in self.ranges]
+        return [r.grad_view for r in self.units]
 
     def _norm_groups(self) -> dict:
         return {"data_parallel_group": self.dp_group, "expert_data_parallel_group": self.expert_dp_group}
@@ -128,9 +127,9 @@ class DistributedOptimizer(MegatronOptimizer):
     def reload_model_params(self, state_dict: dict | None = None) -> None:
         """MegatronOptimizer.reload_model_params for this rank's shard of each parameter."""
         sources = checkpoint_tensors_by_param(self.model_chunks, state_dict) if state_dict else {}
-        for r in self.ranges:
-            if r.main is not r.model_view:
-                source = sources[r.param].reshape(-1)[r.start : r.end] if sources else r.model_view
+        for r in self.units:
+            if r.main is not r.model:
+                source = sources[r.param].reshape(-1)[r.start : r.end] if sources else r.model
                 r.main.copy_(source)
 
     # Checkpoints --------------------------------------------------------------------------------
@@ -177,7 +176,7 @@ class DistributedOptimizer(MegatronOptimizer):
         """This rank's shard of ``bucket`` per key (``param``, the moments), zeros where no range is."""
         shard_size = bucket.grad_data.numel() // bucket.dp_size
         local = {k: torch.zeros(shard_size) for k in ("param", *STATE_KEYS)}
-        for r in self.ranges:
+        for r in self.units:
             if r.bucket is bucket:
                 n = r.end - r.start
                 moments = self.optimizer.state.get(r.main, {})
@@ -195,13 +194,13 @@ class DistributedOptimizer(MegatronOptimizer):
         """Take this rank's shard of every saved tensor (any saved dp size: offsets are unpadded)."""
         step = torch.tensor(self._loaded_step, dtype=torch.float32)
         buffers = self._buffers()
-        for r in self.ranges:
+        for r in self.units:
             world = state[buffers.index(r.buffer)][str(r.buffer.grad_data.dtype)]
             at = r.buffer.param_unpadded_start[r.param] + r.start
             n = r.end - r.start
             r.main.copy_(world["param"][at : at + n])
-            if r.main is not r.model_view:
-                r.model_view.copy_(r.main)
+            if r.main is not r.model:
+                r.model.copy_(r.main)
             if step.item() > 0:
                 moments = {k: world[k][at : at + n].clone().to(r.main.device) for k in STATE_KEYS}
                 self.optimizer.state[r.main] = {"step": step.clone(), **moments}

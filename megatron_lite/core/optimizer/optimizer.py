@@ -121,16 +121,16 @@ class MegatronOptimizer:
     def _main_params(self) -> list[MainParam]:
         """Every trainable parameter whole: fp32 ones are their own main parameters, lower-precision
         ones get fp32 copies."""
-        self.params = [p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad]
-        self.masters = [
-            p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in self.params
+        params = [p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad]
+        return [
+            MainParam(p, p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True), p)
+            for p in params
         ]
-        return [MainParam(p, m, p) for p, m in zip(self.params, self.masters)]
 
     def _gradients(self) -> list[torch.Tensor]:
         """The gradient each main parameter steps on: DDP's fp32 ``main_grad`` (a copy for a master,
         so clipping leaves the buffer alone)."""
-        return [p.main_grad if m is p else p.main_grad.clone() for p, m in zip(self.params, self.masters)]
+        return [u.param.main_grad if u.main is u.param else u.param.main_grad.clone() for u in self.units]
 
     def _norm_groups(self) -> dict:
         """More groups the norm adds up over, beside the model-parallel ones (get_grad_norm_fp32's)."""
@@ -210,14 +210,14 @@ class MegatronOptimizer:
         optimizer (a checkpoint loaded without its optimizer state). With ``state_dict`` (a
         checkpoint's), from its tensors instead, which keeps precision a bf16 model rounds away."""
         sources = checkpoint_tensors_by_param(self.model_chunks, state_dict) if state_dict else {}
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                m.copy_(sources.get(p, p))
+        for u in self.units:
+            if u.main is not u.param:
+                u.main.copy_(sources.get(u.param, u.param))
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
-        if any(m is not p for p, m in zip(self.params, self.masters)):
-            state["fp32_from_fp16_params"] = [m.detach().clone() for m in self.masters]
+        if any(u.main is not u.param for u in self.units):
+            state["fp32_from_fp16_params"] = [u.main.detach().clone() for u in self.units]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -226,6 +226,6 @@ class MegatronOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         if "fp32_from_fp16_params" in state:
             with torch.no_grad():
-                for p, m, saved in zip(self.params, self.masters, state["fp32_from_fp16_params"]):
-                    m.copy_(saved)
-                    p.copy_(saved)
+                for u, saved in zip(self.units, state["fp32_from_fp16_params"], strict=True):
+                    u.main.copy_(saved)
+                    u.param.copy_(saved)

@@ -21,11 +21,10 @@ from megatron_lite.core.pipeline_parallel.embedding_wgrad import (
     finish_embedding_wgrad_compute,
 )
 from megatron_lite.core.pipeline_parallel.p2p_communication import wait_for_sends
-from megatron_lite.core.pipeline_parallel.schedule_order import (  # noqa: F401 (upstream's names live here too)
+from megatron_lite.core.pipeline_parallel.schedule_order import (
     check_interleaving,
     get_pp_rank_microbatches,
     get_schedule_table,
-    in_flight_microbatch_chunks,
 )
 from megatron_lite.core.utils import get_collective_device, get_model_config
 

@@ -262,11 +262,10 @@ def chunk_activations(x: Shape, layers: int, pre: bool, post: bool, offset: int 
     # Backward: the loss, output layer and the whole layers go first; then each unit, last first,
     # re-saves its layers while the inputs of it and of the units before it are still held. Its first
     # norm saves the kept input's own storage unless that was split over TP (then a gathered copy).
-    shared = not distribute
     peak = kept
     for u, unit in enumerate(units):
         held = emb + rope + sum(inputs[: u + 1]) + sum(per_layer[i] for i in unit)
-        if shared:
+        if not distribute:
             held -= unit_input  # the recompute's first norm saves the very storage kept as the input
         peak = max(peak, held)
     return ChunkActivations(layers, kept, peak, emb, out)

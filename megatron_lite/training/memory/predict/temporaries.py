@@ -40,6 +40,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_lite.core.fusions.fused_linear_cross_entropy import (
+    default_chunk_tokens,
+    local_rows_per_chunk,
+    wgrad_slice_rows,
+)
 from megatron_lite.training.memory.predict.activations import (
     ChunkActivations,
     Shape,
@@ -58,13 +63,9 @@ def loss_forward_extra(x: Shape) -> int:
 def fused_chunk_tokens(x: Shape) -> int:
     """The fused loss's rows per chunk (gathered rows under SP: each rank's ``chunk // tp``): the
     flag's, else the device's default."""
-    from megatron_lite.core.fusions.fused_linear_cross_entropy import default_chunk_tokens
-
     chunk = x.m.cross_entropy_fusion_chunk_tokens or default_chunk_tokens(vocab_per_rank(x), x.device)
-    if not x.m.sequence_parallel:
-        return min(chunk, x.tokens)
-    local = min(max(1, chunk // x.m.tensor_model_parallel_size), x.norm_tokens)
-    return local * x.m.tensor_model_parallel_size
+    tp = x.m.tensor_model_parallel_size if x.m.sequence_parallel else 1
+    return min(local_rows_per_chunk(chunk, tp), x.norm_tokens) * tp
 
 
 def fused_loss_forward_extra(x: Shape) -> int:
@@ -84,8 +85,6 @@ def fused_output_backward_extra(x: Shape) -> int:
     beside its input gradient C h e and that gradient's reduce-scatter (gloo's copy C h e, and this
     rank's rows), or with bf16 the cast beside one slice of the weight gradient, added into main_grad
     (upstream's gradient-accumulation fusion: no weight-sized gradient)."""
-    from megatron_lite.core.fusions.fused_linear_cross_entropy import wgrad_slice_rows
-
     m, e, h, chunk = x.m, x.elt, x.m.hidden_size, fused_chunk_tokens(x)
     sp, tp, vocab = m.sequence_parallel, m.tensor_model_parallel_size, vocab_per_rank(x)
     base = x.norm_tokens * h * e + x.tokens * 4
