@@ -63,6 +63,12 @@ def fake_world_backend() -> str | None:
     return _FAKE_WORLD_STANDS_FOR
 
 
+def kernel_device_type(tensor: torch.Tensor) -> str:
+    """Whose kernels (and budgets) ``tensor``'s ops take: its device's, or CUDA's in the preflight's dry
+    run of a GPU job, whose fake tensors live on the CPU."""
+    return "cuda" if _FAKE_WORLD_STANDS_FOR == "nccl" else tensor.device.type
+
+
 def collective_backend(group=None) -> str:
     """The backend whose code path a collective over ``group`` takes: the group's own, or for a fake
     process group the one the preflight's dry run has it stand for."""

@@ -36,7 +36,7 @@ from megatron_lite.core.tensor_parallel.cross_entropy import _all_reduce
 from megatron_lite.core.tensor_parallel.linear_wgrad import defers_wgrad
 from megatron_lite.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron_lite.core.tensor_parallel.utils import VocabUtility
-from megatron_lite.core.utils import get_pg_rank, get_pg_size
+from megatron_lite.core.utils import get_pg_rank, get_pg_size, kernel_device_type
 
 # fp32 bytes of one chunk's logits when the chunk size is left to the device: the chunk's buffers (the
 # logits, their fp32 copy, the gradient's cast) stay near this, small beside a layer's activations.
@@ -121,7 +121,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         takes = wants and not deferred  # this backward computes the weight gradient
         grad_weight = torch.zeros_like(weight) if takes and ctx.main_grad is None else None
         wgrad_into = (ctx.main_grad if grad_weight is None else grad_weight) if takes else None
-        slice_rows = wgrad_slice_rows(weight.size(1), weight.element_size(), weight.device.type)
+        slice_rows = wgrad_slice_rows(weight.size(1), weight.element_size(), kernel_device_type(weight))
         stats = (top, total_exp)
         for local, x_rows, at in chunks:
             grad = _logits_grad(x_rows, weight, stats, at, local_target, hit, grad_loss)
@@ -202,7 +202,7 @@ class _DeferredWgrad:
         x = total_input.reshape(-1, total_input.size(-1))
         grad_weight = torch.zeros_like(weight) if main_grad is None else None
         into = main_grad if grad_weight is None else grad_weight
-        slice_rows = wgrad_slice_rows(weight.size(1), weight.element_size(), weight.device.type)
+        slice_rows = wgrad_slice_rows(weight.size(1), weight.element_size(), kernel_device_type(weight))
         for start in range(0, x.size(0), chunk):
             rows = slice(start, start + chunk)
             grad = _logits_grad(x[rows], weight, stats, rows, local_target, hit, grad_loss)
@@ -228,7 +228,7 @@ def linear_cross_entropy(
     ``linear_wgrad``'s. Collective over ``tp_group``; the caller copies a non-SP input into the
     tensor-parallel region."""
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(weight.size(0), input_.device.type)
+        chunk_tokens = default_chunk_tokens(weight.size(0), kernel_device_type(input_))
     loss = LinearCrossEntropy.apply(
         input_, weight, target, tp_group, sequence_parallel, chunk_tokens, grad_output_buffer,
         wgrad_deferral_limit,

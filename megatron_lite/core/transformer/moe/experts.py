@@ -23,7 +23,7 @@ from torch import nn
 from megatron_lite.core.fusions.fused_bias_swiglu import fuses, weighted_swiglu
 from megatron_lite.core.tensor_parallel.utils import init_partition_, set_tensor_model_parallel_attributes
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-from megatron_lite.core.utils import fake_world_backend, seeded_init
+from megatron_lite.core.utils import kernel_device_type, seeded_init
 
 
 def expert_parameter(shape, config, init_method, partition_dim, etp_rank, etp_size, stride=1) -> nn.Parameter:
@@ -86,8 +86,7 @@ def _grouped(*tensors: torch.Tensor) -> bool:
     """Whether one grouped GEMM can take these: on the CPU any float; CUDA's kernels take bf16 (other
     dtypes there loop over the experts)."""
     x = tensors[0]
-    # The preflight's dry run of a GPU job runs on the CPU's fake tensors: it takes CUDA's path.
-    device = "cuda" if fake_world_backend() == "nccl" else x.device.type
+    device = kernel_device_type(x)  # the dry run of a GPU job takes CUDA's path
     device_ok = device == "cpu" or (device == "cuda" and x.dtype == torch.bfloat16)
     return device_ok and _aligned(*tensors)
 

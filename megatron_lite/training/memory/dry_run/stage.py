@@ -81,14 +81,6 @@ def measure_stage(config, rank: int, device_type: str = "cpu", routing: str | No
     from megatron_lite.training.state import GlobalState
     from megatron_lite.training.training import train_step
 
-    m = config.model
-    if m.cross_entropy_loss_fusion and m.cross_entropy_fusion_chunk_tokens is None:
-        # The job's device's chunk, not the fake tensors' (CPU) default.
-        from megatron_lite.core.fusions.fused_linear_cross_entropy import default_chunk_tokens
-
-        m.cross_entropy_fusion_chunk_tokens = default_chunk_tokens(
-            m.padded_vocab_size // m.tensor_model_parallel_size, device_type
-        )
     state = GlobalState()
     state.cfg = config
     ALLOCATED_MEMORY.reset(storage_device="meta")
