@@ -24,10 +24,11 @@ matmuls on the main thread and one for the autograd thread's backward; Transform
 torch matmul, so it holds both PyTorch workspaces beside TE's. With ``--moe-grouped-gemm`` TE's grouped
 GEMM keeps one workspace per stream of its four (``get_cublas_workspace(grouped_gemm=True)``).
 
-Second, with gradient-accumulation fusion (Megatron-LM's default; most of these cases turn it off with
-``--no-gradient-accumulation-fusion``), Transformer Engine's linears add their weight gradients into
-``main_grad`` and give autograd a dummy from TE's ``get_dummy_wgrad``: one empty tensor per distinct
-weight shape and dtype, kept for the process's life (``te_dummy_wgrads``).
+Second, with gradient-accumulation fusion (Megatron-LM's default and megatron_lite's; most of these
+cases turn it off with ``--no-gradient-accumulation-fusion``, passed on to ours), both add the weight
+gradients into ``main_grad`` with no weight-sized gradient, but Transformer Engine's linears also give
+autograd a dummy from TE's ``get_dummy_wgrad``: one empty tensor per distinct weight shape and dtype,
+kept for the process's life (``te_dummy_wgrads``); megatron_lite's give autograd nothing.
 
 The last column is our prediction for the same job with ``--cross-entropy-loss-fusion`` (megatron_lite's:
 the output layer and the loss over chunks of tokens, no ``[s, b, V/tp]`` logits), against Megatron-LM's

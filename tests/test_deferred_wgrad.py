@@ -36,12 +36,12 @@ def _observe_drains(seen: list) -> None:
     """Record, at each drain, how many microbatches it holds and the bytes of their storages."""
     drain = _DRAIN
 
-    def observed(inputs, grads, weight, tp_group, sequence_parallel):
+    def observed(inputs, grads, weight, tp_group, sequence_parallel, *fusion):
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*inputs, *grads]}
         one_input = inputs[0].untyped_storage().nbytes() if inputs else 0
         seen.append((len(inputs), len(grads), sum(storages.values()), one_input))
         untouched = weight.main_grad.clone()
-        drain(inputs, grads, weight, tp_group, sequence_parallel)
+        drain(inputs, grads, weight, tp_group, sequence_parallel, *fusion)
         seen.append(not torch.equal(untouched, weight.main_grad))  # the drain added something
 
     linear_wgrad.drain_wgrad = observed

@@ -1,7 +1,8 @@
 """What a layer's ops keep for backward is what Transformer Engine's and megatron-core's keep (issue 45):
 the RMSNorm its input and per-token rstd (TE's ``RMSNorm``, PyTorch's CUDA kernel), not the CPU
 composite's fp32 tensors; the MoE combine its indices (megatron-core's ``unpermute``, a scatter_add),
-not its source. Measured by PyTorch's own allocator events (torch.profiler) and saved-tensor hooks;
+not its source; SwiGLU's backward, as megatron-core's fused kernel, holds only its result beside the
+incoming gradient. Measured by PyTorch's own allocator events (torch.profiler) and saved-tensor hooks;
 torch's own module and ops are the oracle for the values."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 import torch
 from memory_measure import profiler_peak_and_final
 
+from megatron_lite.core.fusions.fused_bias_swiglu import swiglu, weighted_swiglu
 from megatron_lite.core.fusions.fused_rms_norm import RMSNorm
 from megatron_lite.core.transformer.moe.moe_utils import combine_rows
 
@@ -122,3 +124,29 @@ def test_moe_combine_keeps_its_indices_only_and_gives_index_adds_values():
     out.backward(grad)
     expected.backward(grad)
     assert torch.equal(ours_in.grad, theirs_in.grad)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_swiglu_backward_holds_only_its_result_and_gives_autograds_bits(weighted):
+    """The unfused expression through autograd is the oracle for the bits; the allocator's events show
+    the backward's peak is its [t, 2f] result (autograd's ops would hold three [t, f] more)."""
+    torch.manual_seed(0)
+    y = torch.randn(TOKENS, 2 * HIDDEN, dtype=torch.bfloat16)
+    probs, grad = (
+        torch.rand(TOKENS, 1, dtype=torch.bfloat16),
+        torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16),
+    )
+    ours_y, theirs_y = y.clone().requires_grad_(True), y.clone().requires_grad_(True)
+    ours_p, theirs_p = probs.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+    ours = weighted_swiglu(ours_y, ours_p) if weighted else swiglu(ours_y)
+    gate, value = theirs_y.chunk(2, dim=-1)
+    theirs = torch.nn.functional.silu(gate) * value * (theirs_p if weighted else 1)
+    assert torch.equal(ours, theirs)
+    peak, _, _ = profiler_peak_and_final(lambda: ours.backward(grad))
+    theirs.backward(grad)
+    assert torch.equal(ours_y.grad, theirs_y.grad)
+    if weighted:
+        assert torch.equal(ours_p.grad, theirs_p.grad)
+    result = y.numel() * y.element_size()
+    extra = 2 * TOKENS * HIDDEN * 2 if weighted else 0  # the weighted one's grad * probs and product
+    assert result <= peak <= result + extra + 4096, (peak, result)

@@ -89,7 +89,9 @@ class ModelParallelConfig:
     deterministic_mode: bool = False
     """Prefer deterministic kernels."""
     gradient_accumulation_fusion: bool = False
-    """Fused weight-gradient accumulation (a CUDA extension; not supported: False)."""
+    """Linear layers add their weight gradient straight into the parameter's fp32 ``main_grad`` (DDP's),
+    so no weight-sized gradient exists (core/fusions/fused_weight_gradient: an fp32-output GEMM on CUDA,
+    slices of tokens upcast elsewhere). Megatron-LM turns it on by default (``--no-gradient-accumulation-fusion``)."""
     async_tensor_model_parallel_allreduce: bool = False
     """Overlap the input-gradient all-reduce with the weight-gradient GEMM (not supported: False)."""
     cross_entropy_loss_fusion: bool = False

@@ -83,6 +83,9 @@ class DistributedDataParallel(nn.Module):
                 # (tensor_parallel/embedding_grad.py).
                 p.main_grad_is_grad = not self.overlap_grad_reduce
             p.register_post_accumulate_grad_hook(self._grad_hook)
+            # A backward that adds the gradient into main_grad itself (gradient-accumulation fusion)
+            # returns none to autograd, so it calls this instead (fusions/fused_weight_gradient).
+            p.main_grad_hook = self._grad_hook
         if self.overlap_param_gather:
             for sub in module.modules():
                 own = [p for p in sub.parameters(recurse=False) if p in self._buffer_of]

@@ -5,7 +5,9 @@ for the routed experts, the product too (multiplied by each row's routing probab
 more ``[tokens, ffn]`` tensors per layer and microbatch than megatron-core's fused function, which
 saves fc1's output (and the probabilities) and recomputes ``silu(gate)`` in backward. These do the
 same. The backward runs autograd's own ops (``silu``, ``silu_backward``, the products), so the
-gradients are bitwise those of the unfused expression.
+gradients are bitwise those of the unfused expression, and writes them into the two halves of its
+output: beside the incoming gradient it holds only the output, as megatron-core's fused kernel does
+(each intermediate is a half of the output before it is overwritten).
 """
 
 from __future__ import annotations
@@ -26,9 +28,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (y,) = ctx.saved_tensors
-        gate, value = y.chunk(2, dim=-1)
-        grad_gate = torch.ops.aten.silu_backward(grad * value, gate)
-        return torch.cat([grad_gate, grad * F.silu(gate)], dim=-1)
+        return _swiglu_grad(y, grad)
 
 
 class WeightedSwiGLUFunction(torch.autograd.Function):
@@ -45,12 +45,23 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
     def backward(ctx, grad):
         y, weights = ctx.saved_tensors
         gate, value = y.chunk(2, dim=-1)
-        act = F.silu(gate)
-        product = act * value
+        product = F.silu(gate) * value
         grad_weights = (grad * product).sum(dim=-1, keepdim=True)
-        grad_product = grad * weights
-        grad_gate = torch.ops.aten.silu_backward(grad_product * value, gate)
-        return torch.cat([grad_gate, grad_product * act], dim=-1), grad_weights
+        del product
+        return _swiglu_grad(y, grad * weights), grad_weights
+
+
+def _swiglu_grad(y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``[silu'(gate) * grad * value, grad * silu(gate)]``, each op autograd's own and rounded as there,
+    computed in the halves of the result."""
+    gate, value = y.chunk(2, dim=-1)
+    out = torch.empty_like(y)
+    grad_gate, grad_value = out.chunk(2, dim=-1)
+    torch.mul(grad, value, out=grad_value)
+    torch.ops.aten.silu_backward.grad_input(grad_value, gate, grad_input=grad_gate)
+    torch.ops.aten.silu.out(gate, out=grad_value)
+    grad_value.mul_(grad)
+    return out
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:

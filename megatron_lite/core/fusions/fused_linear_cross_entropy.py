@@ -14,8 +14,8 @@ softmax until backward): at a 128k-256k vocabulary the largest tensors of the wh
   saved max and sum, minus one at the target, times the loss gradient: the chunk's logits gradient,
   cast to the weight's dtype as the unfused path's ``.float()`` backward does; then its input gradient
   (written into its rows) and its weight gradient, added straight into the weight's fp32 ``main_grad``
-  as upstream's gradient-accumulation fusion does (a bf16 GEMM a slice of rows at a time), so no
-  weight-sized gradient exists either; a weight without one gets one weight-sized buffer.
+  as upstream's gradient-accumulation fusion does (fusions/fused_weight_gradient), so no weight-sized
+  gradient exists either; a weight without one gets one weight-sized buffer.
 
 Under sequence parallelism the layer keeps its sequence shard and each chunk gathers its rows of every
 rank's shard, in each direction, and reduce-scatters its input gradient: neither the gathered sequence
@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core.fusions.fused_weight_gradient import rows_in_budget, wgrad_gemm_accum_fp32
 from megatron_lite.core.tensor_parallel.collectives import _gather, _reduce_scatter
 from megatron_lite.core.tensor_parallel.cross_entropy import _all_reduce
 from megatron_lite.core.tensor_parallel.linear_wgrad import defers_wgrad
@@ -38,25 +39,11 @@ from megatron_lite.core.tensor_parallel.mappings import copy_to_tensor_model_par
 from megatron_lite.core.tensor_parallel.utils import VocabUtility
 from megatron_lite.core.utils import get_pg_rank, get_pg_size, kernel_device_type
 
-# fp32 bytes of one chunk's logits when the chunk size is left to the device: the chunk's buffers (the
-# logits, their fp32 copy, the gradient's cast) stay near this, small beside a layer's activations.
-CHUNK_BUDGET_BYTES = {"cuda": 64 << 20, "cpu": 32 << 20}
-
-
-def _rows_in_budget(row_bytes: int, device_type: str) -> int:
-    """The device's budget's worth of rows of ``row_bytes`` each, at least one."""
-    return max(1, CHUNK_BUDGET_BYTES.get(device_type, CHUNK_BUDGET_BYTES["cuda"]) // row_bytes)
-
 
 def default_chunk_tokens(vocab_per_rank: int, device_type: str) -> int:
-    """Tokens per chunk for a device: its budget's worth of fp32 logits rows."""
-    return _rows_in_budget(4 * vocab_per_rank, device_type)
-
-
-def wgrad_slice_rows(hidden: int, element_size: int, device_type: str) -> int:
-    """Rows of the weight gradient a bf16 chunk makes at a time before adding them into the fp32
-    ``main_grad``: the device's budget's worth."""
-    return _rows_in_budget(element_size * hidden, device_type)
+    """Tokens per chunk for a device: its budget's worth of fp32 logits rows (the chunk's buffers, the
+    logits, their fp32 copy and the gradient's cast, stay near it)."""
+    return rows_in_budget(4 * vocab_per_rank, device_type)
 
 
 def local_rows_per_chunk(chunk_tokens: int, tp: int) -> int:
@@ -121,7 +108,6 @@ class LinearCrossEntropy(torch.autograd.Function):
         takes = wants and not deferred  # this backward computes the weight gradient
         grad_weight = torch.zeros_like(weight) if takes and ctx.main_grad is None else None
         wgrad_into = (ctx.main_grad if grad_weight is None else grad_weight) if takes else None
-        slice_rows = wgrad_slice_rows(weight.size(1), weight.element_size(), kernel_device_type(weight))
         stats = (top, total_exp)
         for local, x_rows, at in chunks:
             grad = _logits_grad(x_rows, weight, stats, at, local_target, hit, grad_loss)
@@ -130,7 +116,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             else:  # this rank's rows of the chunk's input gradient, summed over the group
                 grad_local[local] = _reduce_scatter(torch.mm(grad, weight), group, 0)
             if wgrad_into is not None:
-                _add_wgrad(wgrad_into, grad, x_rows, slice_rows)
+                wgrad_gemm_accum_fp32(x_rows, grad, wgrad_into)
             del grad, x_rows  # one chunk's buffers at a time
         if deferred:  # drain_wgrad calls it with the re-gathered input at the flush
             ctx.grad_output_buffer.append(
@@ -178,18 +164,6 @@ class _Rows:
             yield local, _gather(self.local[local], self.group, 0), index
 
 
-def _add_wgrad(into: torch.Tensor, grad: torch.Tensor, x_rows: torch.Tensor, slice_rows: int) -> None:
-    """``into += grad^T x_rows``: in place when the dtypes agree (a gradient of the weight's dtype, or
-    fp32 throughout); into an fp32 ``main_grad`` from bf16, as upstream's gradient-accumulation fusion
-    and with no weight-sized gradient, ``slice_rows`` rows at a time."""
-    if grad.dtype == into.dtype:
-        into.addmm_(grad.t(), x_rows)
-        return
-    for start in range(0, into.size(0), slice_rows):
-        rows = slice(start, start + slice_rows)
-        into[rows].add_(torch.mm(grad[:, rows].t(), x_rows))
-
-
 class _DeferredWgrad:
     """A microbatch's output-layer weight gradient, computed when called with its (gathered) input:
     added into ``main_grad`` (None returned) where there is one, else returned."""
@@ -202,11 +176,10 @@ class _DeferredWgrad:
         x = total_input.reshape(-1, total_input.size(-1))
         grad_weight = torch.zeros_like(weight) if main_grad is None else None
         into = main_grad if grad_weight is None else grad_weight
-        slice_rows = wgrad_slice_rows(weight.size(1), weight.element_size(), kernel_device_type(weight))
         for start in range(0, x.size(0), chunk):
             rows = slice(start, start + chunk)
             grad = _logits_grad(x[rows], weight, stats, rows, local_target, hit, grad_loss)
-            _add_wgrad(into, grad, x[rows], slice_rows)
+            wgrad_gemm_accum_fp32(x[rows], grad, into)
             del grad
         return grad_weight
 

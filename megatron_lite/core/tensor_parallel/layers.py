@@ -62,8 +62,6 @@ def _device(config: ModelParallelConfig) -> torch.device:
 
 
 def _refuse_unsupported(config: ModelParallelConfig, layer: str, **options) -> None:
-    if config.gradient_accumulation_fusion:
-        raise NotImplementedError("gradient_accumulation_fusion is not supported by megatron_lite")
     for name, bad in options.items():
         if bad:
             raise NotImplementedError(f"{layer}({name}=...) is not supported by megatron_lite")
@@ -168,9 +166,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
     input-gradient all-reduce (``allreduce_dgrad``) runs after the GEMM, not overlapped with it.
     With a ``grad_output_buffer`` the weight gradients of the first ``wgrad_deferral_limit``
     backwards (0: all) are deferred (linear_wgrad). Collective over ``tp_group`` as
-    ``linear_with_frozen_weight``."""
-    if gradient_accumulation_fusion:
-        raise NotImplementedError("gradient accumulation fusion is not supported by megatron_lite")
+    ``linear_with_frozen_weight``. ``gradient_accumulation_fusion``: the weight gradient goes into
+    ``weight.main_grad`` where it has one (fusions/fused_weight_gradient)."""
     if gtp_remat_size != 1 or (output_dtype is not None and output_dtype != input.dtype):
         raise NotImplementedError(
             "GTP remat and mixed-precision linear outputs are not supported by megatron_lite"
@@ -178,10 +175,11 @@ def linear_with_grad_accumulation_and_async_allreduce(
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
     if allreduce_dgrad and not sequence_parallel:
         input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-    if sequence_parallel or grad_output_buffer is not None:
+    if sequence_parallel or grad_output_buffer is not None or gradient_accumulation_fusion:
         return LinearWithGradAccumulationAndAsyncCommunication.apply(
-            input, weight, bias, tp_group, sequence_parallel, grad_output_buffer, wgrad_deferral_limit or 0
-        )
+            input, weight, bias, tp_group, sequence_parallel, grad_output_buffer, wgrad_deferral_limit or 0,
+            1 if gradient_accumulation_fusion else 0,
+        )  # fmt: skip
     return F.linear(input, weight, bias)
 
 
@@ -270,7 +268,8 @@ class ColumnParallelLinear(nn.Module):
         # its input and reduces its input gradient, so no tensor-parallel collective runs here.
         sequence_parallel = self.sequence_parallel and not self.explicit_expert_comm
         no_reduce = self.disable_grad_reduce or self.explicit_expert_comm
-        if (sequence_parallel or deferring) and weight.requires_grad:
+        fusion = self.config.gradient_accumulation_fusion
+        if (sequence_parallel or deferring or fusion) and weight.requires_grad:
             input_parallel = input_
             if not (sequence_parallel or no_reduce):
                 input_parallel = copy_to_tensor_model_parallel_region(input_, self.tp_group)
@@ -286,6 +285,9 @@ class ColumnParallelLinear(nn.Module):
                 sequence_parallel,
                 self.grad_output_buffer if deferring else None,
                 self.config.wgrad_deferral_limit,
+                # DDP may reduce the weight's gradient once it is in main_grad, unless it is another
+                # layer's (a tied output layer: the embedding's backward adds to it later).
+                (2 if weight is self.weight else 1) if fusion else 0,
             )
         elif weight.requires_grad:
             if no_reduce:
@@ -375,7 +377,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, input_: torch.Tensor):
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        partial = F.linear(input_, self.weight)
+        if self.config.gradient_accumulation_fusion and self.weight.requires_grad:
+            partial = LinearWithGradAccumulationAndAsyncCommunication.apply(
+                input_, self.weight, None, self.tp_group, False, None, 0, 2
+            )
+        else:
+            partial = F.linear(input_, self.weight)
         if self.explicit_expert_comm:
             # The token dispatcher reduces the partial outputs (and adds the bias after it).
             assert self.skip_bias_add, "an expert RowParallelLinear returns its bias (skip_bias_add)"

@@ -12,6 +12,10 @@ their inputs in its ``embedding_activation_buffer``. :func:`drain_wgrad` then ru
 microbatch order at the pipeline flush, while the other stages are still finishing their backwards,
 adding each into the weight's ``main_grad`` as autograd would have: the same GEMM, the same order, the
 same bits.
+
+With ``gradient_accumulation_fusion`` (and a weight that has DDP's fp32 ``main_grad``) the weight gradient
+is added straight into ``main_grad`` (fusions/fused_weight_gradient), as megatron-core's is: no
+weight-sized gradient exists, and autograd receives none.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_lite.core.fusions.fused_weight_gradient import main_grad_ready, wgrad_gemm_accum_fp32
 from megatron_lite.core.tensor_parallel.collectives import _gather, _reduce_scatter
 
 
@@ -37,7 +42,9 @@ def defers_wgrad(grad_output_buffer: list | None, wgrad_deferral_limit: int | No
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """Collective over ``tp_group`` in forward and backward under ``sequence_parallel``; local otherwise
-    (the caller copies the input into the tensor-parallel region, whose backward all-reduces)."""
+    (the caller copies the input into the tensor-parallel region, whose backward all-reduces).
+    ``gradient_accumulation_fusion``: 0 off, 1 into ``main_grad``, 2 into ``main_grad`` and tell DDP the
+    gradient is final (a weight this layer alone uses; a tied one is final only after its other use)."""
 
     @staticmethod
     def forward(
@@ -49,8 +56,13 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         sequence_parallel=True,
         grad_output_buffer=None,
         wgrad_deferral_limit=0,
+        gradient_accumulation_fusion=0,
     ):
         ctx.save_for_backward(input_, weight)
+        # The parameter's own attribute: a saved tensor may come back as another object.
+        main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
+        ctx.main_grad, ctx.announce = main_grad, gradient_accumulation_fusion == 2 and main_grad is not None
+        ctx.param = weight if ctx.announce else None
         ctx.has_bias, ctx.tp_group, ctx.sequence_parallel = bias is not None, tp_group, sequence_parallel
         ctx.grad_output_buffer, ctx.wgrad_deferral_limit = grad_output_buffer, wgrad_deferral_limit
         total_input = _gather(input_, tp_group, 0) if sequence_parallel else input_
@@ -70,9 +82,14 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_weight = None
         if not deferred:
             total_input = _gather(input_, ctx.tp_group, 0) if ctx.sequence_parallel else input_
-            grad_weight = _wgrad(grad_output, total_input).to(weight.dtype)
+            if ctx.main_grad is not None:
+                wgrad_gemm_accum_fp32(total_input, grad_output, ctx.main_grad)
+                if ctx.announce:
+                    main_grad_ready(ctx.param)
+            else:
+                grad_weight = _wgrad(grad_output, total_input).to(weight.dtype)
         grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 @torch.no_grad()
@@ -82,10 +99,12 @@ def drain_wgrad(
     weight: torch.Tensor,
     tp_group,
     sequence_parallel: bool,
+    gradient_accumulation_fusion: bool = False,
 ) -> None:
     """Add the deferred weight gradients into ``weight.main_grad`` (``weight.grad`` for a weight without
-    one), oldest microbatch first, emptying both buffers as it goes. Collective over ``tp_group`` under
-    ``sequence_parallel`` (each input is gathered again)."""
+    one), oldest microbatch first, emptying both buffers as it goes; with ``gradient_accumulation_fusion``
+    the GEMM adds into ``main_grad`` itself. Collective over ``tp_group`` under ``sequence_parallel``
+    (each input is gathered again)."""
     if len(embedding_activation_buffer) != len(grad_output_buffer):
         raise RuntimeError(
             f"deferred wgrad: {len(embedding_activation_buffer)} inputs but "
@@ -94,13 +113,17 @@ def drain_wgrad(
     while grad_output_buffer:
         input_, grad_output = embedding_activation_buffer.pop(0), grad_output_buffer.pop(0)
         total_input = _gather(input_, tp_group, 0) if sequence_parallel else input_
+        main_grad = getattr(weight, "main_grad", None)
+        if gradient_accumulation_fusion and main_grad is not None and not callable(grad_output):
+            wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+            del input_, total_input, grad_output
+            continue
         # The fused loss (fusions/fused_linear_cross_entropy) defers a callable, not a gradient; it
         # adds into main_grad itself where the weight has one (returning None).
         grad = grad_output(total_input) if callable(grad_output) else _wgrad(grad_output, total_input)
         del input_, total_input, grad_output  # each microbatch's buffers go as soon as they are used
         if grad is None:
             continue
-        main_grad = getattr(weight, "main_grad", None)
         if main_grad is not None:
             main_grad.add_(grad)  # what DDP's accumulation does with a computed gradient
         elif weight.grad is None:
@@ -113,4 +136,11 @@ def drain_embedding_wgrad_compute(config, embedding_activation_buffer, grad_outp
     """Run the output layer's deferred weight-gradient GEMMs (``--defer-embedding-wgrad-compute``) at
     the pipeline flush, adding each into ``weight.main_grad`` (upstream's name, in megatron.core.utils).
     Collective over ``tp_group`` under sequence parallelism."""
-    drain_wgrad(embedding_activation_buffer, grad_output_buffer, weight, tp_group, config.sequence_parallel)
+    drain_wgrad(
+        embedding_activation_buffer,
+        grad_output_buffer,
+        weight,
+        tp_group,
+        config.sequence_parallel,
+        getattr(config, "gradient_accumulation_fusion", False),
+    )

@@ -116,6 +116,13 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "The output layer and the cross entropy over chunks of tokens: no [s, b, vocab/tp] logits.",
     ),
     (
+        "--no-gradient-accumulation-fusion",
+        "model",
+        "gradient_accumulation_fusion",
+        "store_false",
+        "Linear layers return a weight-sized gradient for DDP to add into main_grad.",
+    ),
+    (
         "--cross-entropy-fusion-impl",
         "model",
         "cross_entropy_fusion_impl",

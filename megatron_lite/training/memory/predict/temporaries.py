@@ -40,11 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.core.fusions.fused_linear_cross_entropy import (
-    default_chunk_tokens,
-    local_rows_per_chunk,
-    wgrad_slice_rows,
-)
+from megatron_lite.core.fusions.fused_linear_cross_entropy import default_chunk_tokens, local_rows_per_chunk
+from megatron_lite.core.fusions.fused_weight_gradient import upcast_token_rows
 from megatron_lite.training.memory.predict.activations import (
     ChunkActivations,
     Shape,
@@ -83,8 +80,8 @@ def fused_output_backward_extra(x: Shape) -> int:
     chunk's buffers at their largest: under SP its gathered rows C h e, then either its logits beside
     their fp32 softmax or the softmax beside its cast (C V' (4 + e); fp32: one buffer), or the cast
     beside its input gradient C h e and that gradient's reduce-scatter (gloo's copy C h e, and this
-    rank's rows), or with bf16 the cast beside one slice of the weight gradient, added into main_grad
-    (upstream's gradient-accumulation fusion: no weight-sized gradient)."""
+    rank's rows), or the cast beside the weight gradient's way into main_grad (upstream's
+    gradient-accumulation fusion: no weight-sized gradient; see :func:`fused_wgrad_extra`)."""
     m, e, h, chunk = x.m, x.elt, x.m.hidden_size, fused_chunk_tokens(x)
     sp, tp, vocab = m.sequence_parallel, m.tensor_model_parallel_size, vocab_per_rank(x)
     base = x.norm_tokens * h * e + x.tokens * 4
@@ -93,23 +90,36 @@ def fused_output_backward_extra(x: Shape) -> int:
     softmax = chunk * vocab * (e + 4 if e != 4 else 4)
     cast = chunk * vocab * e
     scatter = (chunk * h * e * (2 if x.device == "cpu" else 1) + chunk // tp * h * e) if sp else 0
-    wgrad = min(wgrad_slice_rows(h, e, x.device), vocab) * h * e if e != 4 else 0
+    wgrad = fused_wgrad_extra(x, vocab, h, chunk)
     return base + gathered + index + max(softmax, cast + max(scatter, wgrad))
 
 
 def output_backward_extra(x: Shape) -> int:
-    """The output layer's backward: input gradient, the re-gathered input under SP, weight gradient."""
-    m, t, e = x.m, x.tokens, x.elt
-    full = t * m.hidden_size * e
-    return full + (full if m.sequence_parallel else 0) + vocab_per_rank(x) * m.hidden_size * e
+    """The output layer's backward: input gradient, the re-gathered input under SP, weight gradient
+    (weight-sized, or with gradient-accumulation fusion its way into main_grad)."""
+    m, t, e, h, vocab = x.m, x.tokens, x.elt, x.m.hidden_size, vocab_per_rank(x)
+    full = t * h * e
+    wgrad = fused_wgrad_extra(x, vocab, h, t) if m.gradient_accumulation_fusion else vocab * h * e
+    return full + (full if m.sequence_parallel else 0) + wgrad
+
+
+def fused_wgrad_extra(x: Shape, out_features: int, in_features: int, tokens: int) -> int:
+    """A weight gradient added straight into the fp32 main_grad (fusions/fused_weight_gradient): nothing
+    in fp32 or on CUDA (the GEMM's fp32 output is main_grad), else each slice of tokens upcast."""
+    if x.elt == 4:
+        return 0
+    rows = min(upcast_token_rows(in_features, out_features, x.device), tokens)
+    return rows * (in_features + out_features) * 4
 
 
 def layer_backward_extra(x: Shape) -> int:
-    """linear_fc2's backward: its output gradient (gathered under SP), input and weight gradients."""
+    """linear_fc2's backward: its output gradient (gathered under SP), input gradient and weight
+    gradient (weight-sized, or with gradient-accumulation fusion its way into main_grad)."""
     m, t, e, h = x.m, x.tokens, x.elt, x.m.hidden_size
     f = m.ffn_hidden_size // m.tensor_model_parallel_size
     grad_output = x.norm_tokens * h * e + (t * h * e if m.sequence_parallel else 0)
-    return grad_output + t * f * e + h * f * e
+    wgrad = fused_wgrad_extra(x, h, f, t) if m.gradient_accumulation_fusion else h * f * e
+    return grad_output + t * f * e + wgrad
 
 
 @dataclass(frozen=True)
