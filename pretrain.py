@@ -62,7 +62,7 @@ def worker_main(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if "--memory-preflight" in argv:  # a prediction (and dry run): no worker, no file but its JSON
-        from megatron_lite.training.memory.preflight import main as preflight
+        from megatron_lite.run_modes.preflight import main as preflight
 
         return preflight(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -125,7 +125,7 @@ def last_stage(case: dict, dry_run: bool) -> dict:
     if balanced.activation_bytes_worst:
         row["worst"] = predict_memory_per_stage(config, device_type="cuda", routing="worst")[-1].peak_bytes
     if dry_run:
-        from megatron_lite.training.memory.dry_run import dry_run_stages
+        from megatron_lite.run_modes.dry_run import dry_run_stages
 
         with open(os.devnull, "w") as quiet:
             last = dry_run_stages(config, "cuda", out=quiet)[-1]

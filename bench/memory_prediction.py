@@ -81,8 +81,8 @@ def argv(tp: int, pp: int, vp: int, cp: int, flags: str) -> list[str]:
 
 
 def main() -> int:
+    from megatron_lite.run_modes.dry_run import dry_run_stages
     from megatron_lite.training.arguments import config_from_argv
-    from megatron_lite.training.memory.dry_run import dry_run_stages
 
     header = f"{'layout':<32}{'stage':>6}" + "".join(
         f"{q + ' meas/pred (MB)':>30}{'err %':>8}" for q in QUANTITIES
@@ -119,8 +119,8 @@ def main() -> int:
 def peak_cases() -> None:
     """The allocated peak (mem-max-allocated, temporaries included) of the issue's seven layouts:
     measured in the real run, measured by the preflight's dry run, predicted."""
+    from megatron_lite.run_modes.dry_run import dry_run_stages
     from megatron_lite.training.arguments import config_from_argv
-    from megatron_lite.training.memory.dry_run import dry_run_stages
 
     print("\nallocated peak per stage (8 layers, hidden 128, seq 64, vocab 8192, mbs 2; MB = 1e6 bytes)")
     print(
@@ -176,8 +176,8 @@ def full_size_dry_runs() -> None:
     """Each stage's dry run (a GPU job's code paths: NCCL's, the foreach AdamW) beside the prediction."""
     import time
 
+    from megatron_lite.run_modes.dry_run import dry_run_microbatches, dry_run_stages
     from megatron_lite.training.arguments import config_from_argv
-    from megatron_lite.training.memory.dry_run import dry_run_microbatches, dry_run_stages
     from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 
     print("\nthe preflight's dry run at full size, beside the prediction (GB = 1e9 bytes)")

@@ -38,7 +38,7 @@ from megatron_lite.training.gpt_step import forward_step
 from megatron_lite.training.setup import _no_sync_all, get_optimizer_param_scheduler
 from megatron_lite.training.state import GlobalState
 from megatron_lite.training.training import train_step
-from megatron_lite.training.utils.cpu_features import BF16_MATRIX_FLAGS, cpu_flags
+from megatron_lite.utils.cpu_features import BF16_MATRIX_FLAGS, cpu_flags
 
 
 class TorchPipelineStage(nn.Module):

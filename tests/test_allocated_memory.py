@@ -128,8 +128,8 @@ def test_the_dry_run_measures_every_stages_peak_within_2_percent_of_the_real_run
     the real gloo run's measured mem-max-allocated, stage by stage. The real run drives all 8
     microbatches, the dry run the fewest that reach the same in-flight counts (2 to 4 here): the same
     peak, which this also checks."""
+    from megatron_lite.run_modes.dry_run import dry_run_stages
     from megatron_lite.training.arguments import config_from_argv
-    from megatron_lite.training.memory.dry_run import dry_run_stages
 
     monkeypatch.chdir(tmp_path)
     argv, _ = peak_argv(name)

@@ -368,7 +368,7 @@ def test_bf16_on_a_cpu_without_bf16_units_is_one_note(units, capsys, mocker):
 
 
 def test_cpu_bf16_units_come_from_the_kernels_flags(mocker, tmp_path):
-    from megatron_lite.training.utils import cpu_features
+    from megatron_lite.utils import cpu_features
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")

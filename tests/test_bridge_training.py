@@ -79,9 +79,10 @@ def _first_batch_loss(rank, world, model_dir, prefix) -> float:
     """transformers' mean token loss on the job's first global batch, read with the job's own dataset."""
     from megatron_lite.data.loaders import build_train_valid_datasets
     from megatron_lite.training.arguments import config_from_argv
+    from megatron_lite.training.tokenizers import get_tokenizer
 
     config = config_from_argv([*_train_args(model_dir, prefix), "--vocab-size", "1", "--nproc-per-node", "1"])
-    train, _ = build_train_valid_datasets(config)
+    train, _ = build_train_valid_datasets(config, tokenizer=get_tokenizer(config))
     samples = [train[i] for i in range(GBS)]
     tokens = torch.stack([torch.as_tensor(s["tokens"]) for s in samples]).long()
     labels = torch.stack([torch.as_tensor(s["labels"]) for s in samples]).long()

@@ -265,8 +265,8 @@ def test_the_last_stage_holds_only_the_deferred_inputs_and_output_gradients():
     stage's peak is what the prediction counts, the output layer's held inputs and output gradients,
     within 2%. A held input that kept its microbatch's graph alive also kept the stage's received
     activation and its gradient until the flush: 7% more on this stage."""
+    from megatron_lite.run_modes.dry_run import dry_run_stages
     from megatron_lite.training.arguments import config_from_argv
-    from megatron_lite.training.memory.dry_run import dry_run_stages
 
     argv = (
         "--num-layers 8 --hidden-size 128 --num-attention-heads 8 --seq-length 128 "

@@ -134,8 +134,8 @@ def test_a_real_runs_last_stage_peak_shrinks_by_at_least_the_logits(tmp_path):
 def test_the_prediction_is_the_dry_runs(layout):
     """The last stage's peak, predicted and measured on fake tensors, within 1%: under SP one chunk's
     gathered rows and reduce-scattered gradient at a time (8 chunks of 16 rows per rank at 64)."""
+    from megatron_lite.run_modes.dry_run import dry_run_stages
     from megatron_lite.training.arguments import config_from_argv
-    from megatron_lite.training.memory.dry_run import dry_run_stages
     from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 
     argv = (

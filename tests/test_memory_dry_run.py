@@ -13,7 +13,7 @@ from dist_helpers import run_pretrain
 from test_memory_preflight import FIRST_STAGE_HEAVY, readme_cluster_argv
 from test_memory_preflight import _table as predicted_table
 
-from megatron_lite.training.memory.dry_run import NOT_SIMULATED
+from megatron_lite.run_modes.dry_run import NOT_SIMULATED
 
 pytestmark = pytest.mark.world  # every test here starts processes
 
@@ -57,8 +57,8 @@ def test_a_70b_shaped_job_reduced_agrees_with_the_prediction_within_3_percent_on
     """The 70B job's layout (tp 8 x pp 8, sequence parallel, distributed optimizer at dp 2, bf16,
     Llama's shape) at a width, length and depth a test affords; full size:
     bench/memory_prediction.py."""
+    from megatron_lite.run_modes.dry_run import dry_run_stages
     from megatron_lite.training.arguments import config_from_argv
-    from megatron_lite.training.memory.dry_run import dry_run_stages
     from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 
     argv = (
@@ -79,7 +79,7 @@ def test_a_70b_shaped_job_reduced_agrees_with_the_prediction_within_3_percent_on
 
 def test_the_dry_run_confirms_the_lever_searchs_fix():
     """A first-stage-heavy layout misses the device by 5%: the fix the search finds is measured too."""
-    from megatron_lite.training.memory.preflight import preflight
+    from megatron_lite.run_modes.preflight import preflight
 
     argv = FIRST_STAGE_HEAVY
     out = io.StringIO()
@@ -117,8 +117,8 @@ def test_a_stage_that_raises_is_one_line_and_stops_the_others():
     DryRunError naming it, its first line only; the stage running beside it is stopped."""
     import multiprocessing
 
-    from megatron_lite.training.memory.dry_run import DryRunError
-    from megatron_lite.training.memory.dry_run.processes import run_in_children
+    from megatron_lite.run_modes.dry_run import DryRunError
+    from megatron_lite.run_modes.dry_run.processes import run_in_children
 
     with pytest.raises(DryRunError, match=r"^stage 9's dry run failed: IndexError: list index out of range$"):
         list(run_in_children(_tiny_config(), [0, 9], "cpu", workers=2))
@@ -133,8 +133,8 @@ def test_a_stage_process_killed_is_one_line_and_nothing_hangs():
     import threading
     import time
 
-    from megatron_lite.training.memory.dry_run import DryRunError
-    from megatron_lite.training.memory.dry_run.processes import run_in_children
+    from megatron_lite.run_modes.dry_run import DryRunError
+    from megatron_lite.run_modes.dry_run.processes import run_in_children
 
     def kill_the_first_stage():
         while not (children := multiprocessing.active_children()):
@@ -162,8 +162,8 @@ def test_attention_dropout_on_a_gpu_keeps_probabilities_only_where_cuda_takes_th
     s x s probabilities, except where PyTorch's kernel selection leaves only the math path (an explicit
     mask, context parallelism's, rules flash out; grouped-query heads the memory-efficient kernel).
     The prediction and the dry run (on fake tensors, the job's kernels) agree on both."""
+    from megatron_lite.run_modes.dry_run import dry_run_stages
     from megatron_lite.training.arguments import config_from_argv
-    from megatron_lite.training.memory.dry_run import dry_run_stages
     from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
 
     base = (

@@ -97,7 +97,7 @@ def test_a_first_stage_heavy_layout_is_fixed_by_moving_layers_to_the_last_stage(
     """Recomputation already full and one rank per stage: of the levers left, moving a layer off the
     first stage (its 16384 learned position rows, and the most microbatches in flight) is cheaper than
     twice the GPUs."""
-    from megatron_lite.training.memory.preflight import preflight
+    from megatron_lite.run_modes.preflight import preflight
 
     argv = FIRST_STAGE_HEAVY
     out = io.StringIO()

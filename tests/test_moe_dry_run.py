@@ -9,9 +9,9 @@ import pytest
 from memory_measure import measure
 from test_moe_memory import RUN
 
+from megatron_lite.run_modes.dry_run import dry_run_stages
+from megatron_lite.run_modes.dry_run.moe import routing_plan
 from megatron_lite.training.arguments import parse_args
-from megatron_lite.training.memory.dry_run import dry_run_stages
-from megatron_lite.training.memory.dry_run.moe import routing_plan
 from megatron_lite.training.memory.predict.moe import routed_rows
 
 PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]

@@ -8,10 +8,10 @@ import io
 import json
 import re
 
+from megatron_lite.run_modes.preflight import preflight
 from megatron_lite.training.arguments import parse_args
 from megatron_lite.training.memory.levers import candidate_changes
 from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
-from megatron_lite.training.memory.preflight import preflight
 
 # 32 experts all on each rank (ep 1) of 8 data-parallel ranks, short sequences: the weights dominate.
 WEIGHT_BOUND = (

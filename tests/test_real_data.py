@@ -16,6 +16,7 @@ from dist_helpers import REPO, loss_lines, parse_losses, run_pretrain
 from megatron_lite.core.datasets.indexed_dataset import IndexedDataset
 from megatron_lite.data.loaders import build_train_valid_datasets
 from megatron_lite.training.arguments import parse_args
+from megatron_lite.training.tokenizers import get_tokenizer
 
 VOCAB = 320  # the BPE's size; the model pads it to 384
 
@@ -259,8 +260,8 @@ def test_eod_mask_loss_and_reset_position_ids_shape_the_samples(corpus, tmp_path
         _data(corpus, "--data-cache-path", str(tmp_path), "--eod-mask-loss", "--reset-position-ids")
     )
     (plain_train, _), (masked_train, _) = (
-        build_train_valid_datasets(plain),
-        build_train_valid_datasets(masked),
+        build_train_valid_datasets(plain, tokenizer=get_tokenizer(plain)),
+        build_train_valid_datasets(masked, tokenizer=get_tokenizer(masked)),
     )
     # A sample with a document boundary inside it (not at its last token).
     i = next(i for i in range(len(plain_train)) if (plain_train[i]["tokens"][:-1] == eod).any())

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_lite.core.utils import get_collective_device
+from megatron_lite.core.process_group_utils import get_collective_device
 
 LOG_OPTIONS = ("max", "minmax", "all")
 """``max``: the slowest rank per timer; ``minmax``: fastest and slowest; ``all``: every rank's time."""

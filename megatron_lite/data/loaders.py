@@ -17,7 +17,6 @@ from megatron_lite.core.datasets.blended_megatron_dataset_builder import Blended
 from megatron_lite.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron_lite.data.base import DatasetBuildContext, DatasetProvider
 from megatron_lite.data.samplers import build_pretraining_data_loader
-from megatron_lite.training.tokenizers import get_tokenizer
 from megatron_lite.utils.common_utils import print_rank_0
 
 
@@ -38,11 +37,11 @@ def is_dataset_built_on_rank() -> bool:
     return True
 
 
-def train_valid_test_datasets_provider(train_val_test_num_samples, config) -> list:
-    """``[train, valid, test]`` GPT datasets of ``config.dataset`` (None for an empty split).
-    Collective over the world: rank 0 builds (and caches) the indices first."""
+def train_valid_test_datasets_provider(train_val_test_num_samples, config, tokenizer) -> list:
+    """``[train, valid, test]`` GPT datasets of ``config.dataset`` (None for an empty split), read
+    with the run's ``tokenizer``. Collective over the world: rank 0 builds (and caches) the indices first."""
     dataset_config = copy.copy(config.dataset)  # the tokenizer stays out of the saved config
-    dataset_config.tokenizer = get_tokenizer(config)
+    dataset_config.tokenizer = tokenizer
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     datasets = BlendedMegatronDatasetBuilder(
         GPTDataset, list(train_val_test_num_samples), is_dataset_built_on_rank, dataset_config
@@ -51,17 +50,19 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, config) -> li
     return datasets
 
 
-def build_train_valid_datasets(config, pg_collection=None) -> tuple:
-    """The training and validation datasets. Collective over the world with real data."""
+def build_train_valid_datasets(config, pg_collection=None, tokenizer=None) -> tuple:
+    """The training and validation datasets; real data and a DatasetProvider read with the run's
+    ``tokenizer`` (the caller builds it: the tokenizers live above the data). Collective over the
+    world with real data."""
     ds, m, t, v = config.dataset, config.model, config.train, config.validation
     if isinstance(ds, DatasetProvider):
         samples = get_train_valid_test_num_samples(config)
-        context = DatasetBuildContext(*samples, tokenizer=get_tokenizer(config), pg_collection=pg_collection)
+        context = DatasetBuildContext(*samples, tokenizer=tokenizer, pg_collection=pg_collection)
         train, valid, _test = ds.build_datasets(context)
         return train, valid
     if not ds.mock:
         train, valid, _test = train_valid_test_datasets_provider(
-            get_train_valid_test_num_samples(config), config
+            get_train_valid_test_num_samples(config), config, tokenizer
         )
         return train, valid
     evals = (t.train_iters // v.eval_interval + 1) if v.eval_interval else 0

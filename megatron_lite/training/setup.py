@@ -23,6 +23,7 @@ from megatron_lite.training.memory.attribution import MODEL_MEMORY, static_tenso
 from megatron_lite.training.memory.report import OPTIMIZER_STATE_MEMORY
 from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
 from megatron_lite.training.state import GlobalState
+from megatron_lite.training.tokenizers import get_tokenizer
 
 
 @dataclass
@@ -78,7 +79,8 @@ def build_data_iterators(
     or with ``num_chunks`` > 1 (virtual pipeline stages) one list of iterators per split, each over
     the same samples, so every chunk reads each microbatch once. Collective over the world."""
     t, v, ts = config.train, config.validation, state.train_state
-    train_ds, valid_ds = build_train_valid_datasets(config, pg_collection)
+    tokenizer = None if getattr(config.dataset, "mock", False) else get_tokenizer(config)
+    train_ds, valid_ds = build_train_valid_datasets(config, pg_collection, tokenizer)
     if dist.get_rank() == 0 and config.tokenizer.tokenizer_type is not None:
         m = config.model
         padded = m.padded_vocab_size

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.core.fusions.fused_weight_gradient import rows_in_budget, wgrad_gemm_accum_fp32
+from megatron_lite.core.process_group_utils import get_pg_rank, get_pg_size, kernel_device_type
 from megatron_lite.core.tensor_parallel.collectives import _gather, _reduce_scatter
 from megatron_lite.core.tensor_parallel.cross_entropy import _all_reduce
 from megatron_lite.core.tensor_parallel.linear_wgrad import defers_wgrad
 from megatron_lite.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron_lite.core.tensor_parallel.utils import VocabUtility
-from megatron_lite.core.utils import get_pg_rank, get_pg_size, kernel_device_type
 
 
 def default_chunk_tokens(vocab_per_rank: int, device_type: str) -> int:

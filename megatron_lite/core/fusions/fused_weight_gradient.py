@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.core.utils import kernel_device_type
+from megatron_lite.core.process_group_utils import kernel_device_type
 
 # Bytes a budgeted temporary may take on each kind of device: one chunk of the fused loss's fp32
 # logits, or one slice of tokens upcast for the weight gradient: small beside a layer's activations.

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_lite.core.optimizer.optimizer import MegatronOptimizer, checkpoint_tensors_by_param
 from megatron_lite.core.optimizer.optimizer_config import OptimizerConfig
 from megatron_lite.core.optimizer.sharded_state import common_state
-from megatron_lite.core.utils import get_collective_device
+from megatron_lite.core.process_group_utils import get_collective_device
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 

@@ -26,7 +26,8 @@ from megatron_lite.core.pipeline_parallel.schedule_order import (
     get_pp_rank_microbatches,
     get_schedule_table,
 )
-from megatron_lite.core.utils import get_collective_device, get_model_config
+from megatron_lite.core.process_group_utils import get_collective_device
+from megatron_lite.core.utils import get_model_config
 
 
 def forward_backward_pipelining_with_interleaving(

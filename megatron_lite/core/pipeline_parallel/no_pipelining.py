@@ -7,8 +7,9 @@ import contextlib
 import torch
 
 from megatron_lite.core.pipeline_parallel import microbatches as mb
+from megatron_lite.core.process_group_utils import get_collective_device
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
-from megatron_lite.core.utils import get_collective_device, get_model_config
+from megatron_lite.core.utils import get_model_config
 
 
 def forward_backward_no_pipelining(

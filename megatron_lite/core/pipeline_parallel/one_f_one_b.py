@@ -18,7 +18,8 @@ from megatron_lite.core.pipeline_parallel.embedding_wgrad import (
 )
 from megatron_lite.core.pipeline_parallel.p2p_communication import wait_for_sends
 from megatron_lite.core.pipeline_parallel.schedule_order import one_f_one_b_warmup
-from megatron_lite.core.utils import get_collective_device, get_model_config
+from megatron_lite.core.process_group_utils import get_collective_device
+from megatron_lite.core.utils import get_model_config
 
 
 def forward_backward_pipelining_without_interleaving(

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_lite.core.utils import collective_backend, get_pg_rank, get_pg_size
+from megatron_lite.core.process_group_utils import collective_backend, get_pg_rank, get_pg_size
 
 
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:

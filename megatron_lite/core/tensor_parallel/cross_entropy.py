@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 from megatron_lite.core import parallel_state
 from megatron_lite.core.parallel_state import get_tensor_model_parallel_group
+from megatron_lite.core.process_group_utils import get_pg_rank, get_pg_size
 from megatron_lite.core.tensor_parallel.utils import VocabUtility
-from megatron_lite.core.utils import get_pg_rank, get_pg_size
 
 
 def _tp(group) -> tuple[int, int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_lite.core.utils import (
+from megatron_lite.core.process_group_utils import (
     get_collective_device,
     get_pg_rank,
     get_tensor_model_parallel_group_if_none,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core.process_group_utils import get_pg_size, get_tensor_model_parallel_group_if_none
 from megatron_lite.core.tensor_parallel.collectives import _gather, _reduce, _reduce_scatter, _split
-from megatron_lite.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):

@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_lite.core.utils import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
+from megatron_lite.core.process_group_utils import (
+    get_pg_rank,
+    get_pg_size,
+    get_tensor_model_parallel_group_if_none,
+)
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -158,3 +162,23 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group=None, e
     from megatron_lite.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def parameter_device(config) -> torch.device:
+    """Where a layer allocates its parameters: the CPU under ``use_cpu_initialization`` or without CUDA."""
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def new_partitioned_parameter(shape, config, init_method, partition_dim, rank, world, stride=1):
+    """A tensor-parallel parameter of this rank's ``shape``, initialised from the full master weight
+    (or left empty when ``config.perform_initialization`` is off)."""
+    weight = torch.nn.Parameter(
+        torch.empty(*shape, dtype=config.params_dtype, device=parameter_device(config))
+    )
+    if config.perform_initialization:
+        init_partition_(weight, init_method, partition_dim, rank, world, stride)
+    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    weight.allreduce = True  # reduced over the dense data-parallel group (not the expert one)
+    return weight

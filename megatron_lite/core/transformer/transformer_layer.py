@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from megatron_lite.core import parallel_state
+from megatron_lite.core.process_group_utils import get_pg_size
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
 from megatron_lite.core.transformer.attention import SelfAttention
@@ -16,7 +17,6 @@ from megatron_lite.core.transformer.moe.moe_layer import MoELayer, is_moe_layer
 from megatron_lite.core.transformer.pipeline_layer_split import chunk_layer_offset
 from megatron_lite.core.transformer.torch_norm import WrappedTorchNorm
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-from megatron_lite.core.utils import get_pg_size
 
 
 def get_transformer_layer_offset(

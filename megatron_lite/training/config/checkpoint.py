@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lite.training.errors import ConfigError, require
-from megatron_lite.training.utils import checkpoint_utils
+from megatron_lite.utils import checkpoint_utils
 
 
 @dataclass(kw_only=True)

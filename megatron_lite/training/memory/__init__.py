@@ -8,8 +8,8 @@
 - pipeline collectives: pipeline.py (the report's max over the stages, ``memory_metrics``);
 - predict: predict/ (each stage's predicted weights, gradients, optimizer state, activations,
   temporaries and allocated peak);
-- preflight: preflight.py (will it fit, before a GPU hour is spent: ``--memory-preflight``) and
-  dry_run/ (each stage's real code at full size on fake tensors, measured: ``--memory-dry-run``);
+- the preflight's verdict table and lever search: table.py and levers.py (the preflight itself and its
+  dry run run the loop, so they are run modes: megatron_lite/run_modes/);
 - post-mortem: postmortem.py (an out-of-memory rank writes what it held) and table.py (the end-of-run
   table of each stage, measured beside predicted);
 - snapshots: snapshots.py (the CUDA allocator's history, as upstream's --record-memory-history).

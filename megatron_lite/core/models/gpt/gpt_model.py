@@ -8,11 +8,12 @@ from torch import nn
 from megatron_lite.core.fusions.fused_linear_cross_entropy import output_layer_cross_entropy
 from megatron_lite.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_lite.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron_lite.core.process_group_utils import get_pg_rank, get_pg_size
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 from megatron_lite.core.transformer.transformer_block import TransformerBlock
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-from megatron_lite.core.utils import get_pg_rank, get_pg_size, init_method_normal, seeded_init
+from megatron_lite.core.utils import init_method_normal, seeded_init
 
 
 class GPTModel(nn.Module):

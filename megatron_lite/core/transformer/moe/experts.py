@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.fusions.fused_bias_swiglu import fuses, weighted_swiglu
+from megatron_lite.core.process_group_utils import kernel_device_type
 from megatron_lite.core.tensor_parallel.utils import init_partition_, set_tensor_model_parallel_attributes
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-from megatron_lite.core.utils import kernel_device_type, seeded_init
+from megatron_lite.core.utils import seeded_init
 
 
 def expert_parameter(shape, config, init_method, partition_dim, etp_rank, etp_size, stride=1) -> nn.Parameter:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_lite.core.process_group_utils import get_pg_rank, get_pg_size
 from megatron_lite.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron_lite.core.transformer.moe.router import TopKRouter
 from megatron_lite.core.transformer.moe.shared_experts import SharedExpertMLP
@@ -14,7 +15,6 @@ from megatron_lite.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
 )
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-from megatron_lite.core.utils import get_pg_rank, get_pg_size
 
 
 def moe_layer_pattern(config: TransformerConfig) -> list[int]:

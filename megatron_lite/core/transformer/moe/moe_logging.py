@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
-from megatron_lite.core.utils import get_pg_size
+from megatron_lite.core.process_group_utils import get_pg_size
 
 
 class MoEMetricsTracker:

@@ -200,9 +200,9 @@ def track_moe_metrics(
     None when nothing splits it. Missing names count as zeros on every rank, so ``force_initialize``
     is implied. Collective over the pipeline, ``seq_group`` and data-parallel groups: call it on every
     rank of a MoE model."""
+    from megatron_lite.core.process_group_utils import get_collective_device
     from megatron_lite.core.process_groups_config import ProcessGroupCollection
     from megatron_lite.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-    from megatron_lite.core.utils import get_collective_device
 
     if mtp_num_layers:
         raise NotImplementedError("multi-token prediction is not supported by megatron_lite")

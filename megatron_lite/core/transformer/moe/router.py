@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.core.process_group_utils import get_pg_size
 from megatron_lite.core.tensor_parallel.random import is_checkpointing
 from megatron_lite.core.tensor_parallel.utils import init_partition_
 from megatron_lite.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -20,7 +21,6 @@ from megatron_lite.core.transformer.moe.moe_utils import (
     z_loss_func,
 )
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
-from megatron_lite.core.utils import get_pg_size
 
 
 class TopKRouter(nn.Module):

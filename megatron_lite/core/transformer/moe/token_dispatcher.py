@@ -26,13 +26,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_lite.core.process_group_utils import get_pg_rank, get_pg_size
 from megatron_lite.core.tensor_parallel.mappings import (
     all_to_all,
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron_lite.core.transformer.moe.moe_utils import combine_rows
-from megatron_lite.core.utils import get_pg_rank, get_pg_size
 
 # (tokens, num_experts, local expert indices) -> rows of one rank's tokens each expert receives, the
 # same for every rank whose tokens reach these local experts; set only by the dry run.

@@ -15,7 +15,7 @@ import torch
 
 from megatron_lite.training.config.mixed_precision import check_supported_precision
 from megatron_lite.training.errors import ConfigError
-from megatron_lite.training.utils.cpu_features import has_bf16_matrix_units
+from megatron_lite.utils.cpu_features import has_bf16_matrix_units
 
 _SUPPORTED_DECAY_STYLES = ("constant", "linear", "cosine")
 

@@ -73,9 +73,9 @@ def measure_stage(config, rank: int, device_type: str = "cpu", routing: str | No
     from megatron_lite.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
     from megatron_lite.core.transformer.dot_product_attention import cuda_attention_kernels
     from megatron_lite.core.utils import fake_world_stands_for
+    from megatron_lite.run_modes.dry_run.moe import moe_dry_run
     from megatron_lite.training.gpt_step import forward_step
     from megatron_lite.training.memory.allocated import ALLOCATED_MEMORY
-    from megatron_lite.training.memory.dry_run.moe import moe_dry_run
     from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
     from megatron_lite.training.setup import build_model_and_optimizer, get_optimizer_param_scheduler
     from megatron_lite.training.state import GlobalState

@@ -25,27 +25,25 @@ balancing does, and a job that fits only under it runs out once routing skews (M
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import warnings
 
+from megatron_lite.run_modes.dry_run import DryRunError, dry_run_stages
+from megatron_lite.run_modes.preflight_json import RESERVE_FRACTION, json_path_arg, preflight_record
+from megatron_lite.training.arguments import config_from_argv
 from megatron_lite.training.config.ranges import RANGES, check_value
 from megatron_lite.training.errors import ConfigError
-from megatron_lite.training.memory.dry_run import DryRunError, dry_run_stages
 from megatron_lite.training.memory.levers import candidate_changes
 from megatron_lite.training.memory.predict.moe import judged_routing
-from megatron_lite.training.memory.table import format_preflight_table, preflight_activation_bytes
+from megatron_lite.training.memory.table import format_preflight_table
 from megatron_lite.utils.atomic_io import WriteFailedError, atomic_write_bytes
 
-RESERVE_FRACTION = 0.10
 ROUTING_NOTES = {"worst": ", worst routing", "exact": ", rows fixed by the padded capacity"}
 PREFLIGHT_FLAGS = ("--memory-preflight", "--device-memory-gb", "--memory-preflight-json", "--memory-dry-run")
 
 
 def _config(argv: list[str]):
-    from megatron_lite.training.arguments import config_from_argv
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return config_from_argv(argv)
@@ -93,54 +91,6 @@ def _recommend(argv: list[str], config, capacity_gb: float, margin: float = 1.0)
         if all(_gb(p.peak_bytes * margin) <= usable for p in after):
             return change, after, candidate
     return None, None, None
-
-
-def preflight_record(
-    predictions,
-    capacity_gb: float,
-    fits: bool,
-    recommendation: str | None,
-    dry=None,
-    confirmed=None,
-    balanced=None,
-    moe_routing: str | None = None,
-) -> dict:
-    """The preflight as data (``--memory-preflight-json``): per stage the predicted allocated peak and
-    its parts, in bytes, and with ``dry`` the dry run's measured peak; the device; the verdict; the
-    flags to add ("" when it fits as given, None when no combination of the levers fits) and, when
-    the dry run measured them, whether they fit (``recommendation_confirmed``). A MoE model's
-    ``moe_routing`` says what the figures are: "worst" (the worst routing's bound, judged; balanced
-    routing's peak and activations beside, ``*_balanced``) or "exact" (padded to capacity)."""
-    stages = [
-        {
-            "stage": i,
-            "predicted_max_allocated_bytes": p.peak_bytes,
-            **({"dry_run_max_allocated_bytes": dry[i].max_allocated_bytes} if dry else {}),
-            "weights_bytes": p.weights_bytes,
-            "grads_bytes": p.grads_bytes,
-            "optimizer_bytes": p.optimizer_state_bytes,
-            "activations_bytes": preflight_activation_bytes(p),
-            "temporaries_bytes": p.temporaries_bytes,
-            **(
-                {
-                    "predicted_max_allocated_bytes_balanced": balanced[i].peak_bytes,
-                    "activations_bytes_balanced": preflight_activation_bytes(balanced[i]),
-                }
-                if balanced
-                else {}
-            ),
-        }
-        for i, p in enumerate(predictions)
-    ]
-    return {
-        "stages": stages,
-        **({} if moe_routing is None else {"moe_routing": moe_routing}),
-        "device_bytes": int(capacity_gb * 1e9),
-        "reserve_fraction": RESERVE_FRACTION,
-        "fits": fits,
-        "recommendation": recommendation,
-        **({} if confirmed is None else {"recommendation_confirmed": confirmed}),
-    }
 
 
 def _verdict(predictions, capacity_gb: float, dry, out, balanced=None) -> list[bool]:
@@ -253,18 +203,6 @@ def preflight(
     return 0 if all(fits) else 1
 
 
-def _json_path(value: str | None) -> str:
-    """--memory-preflight-json's FILE, refused before anything runs when it cannot be written there."""
-    if not value or value.startswith("-"):
-        raise ConfigError("--memory-preflight-json", "needs a FILE to write the preflight to")
-    directory = os.path.dirname(os.path.abspath(value))
-    if os.path.isdir(value) or not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-        raise ConfigError(
-            "--memory-preflight-json", f"cannot write {value}: {directory} is not a writable directory"
-        )
-    return value
-
-
 def main(argv: list[str]) -> int:
     """pretrain.py's entry for --memory-preflight: bad input is one line and exit 2."""
     rest, capacity, json_path, dry_run = [], None, None, False
@@ -277,7 +215,7 @@ def main(argv: list[str]) -> int:
                 dry_run = True
                 continue
             if arg == "--memory-preflight-json" or arg.startswith("--memory-preflight-json="):
-                json_path = _json_path(arg.split("=", 1)[1] if "=" in arg else next(it, None))
+                json_path = json_path_arg(arg.split("=", 1)[1] if "=" in arg else next(it, None))
                 continue
             if arg == "--device-memory-gb" or arg.startswith("--device-memory-gb="):
                 value = arg.split("=", 1)[1] if "=" in arg else next(it, None)

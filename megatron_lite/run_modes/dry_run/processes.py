@@ -8,7 +8,7 @@ import sys
 import time
 import warnings
 
-from megatron_lite.training.memory.dry_run.stage import measure_stage, stage_ranks
+from megatron_lite.run_modes.dry_run.stage import measure_stage, stage_ranks
 
 
 class DryRunError(RuntimeError):

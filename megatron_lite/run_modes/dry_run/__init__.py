@@ -52,15 +52,15 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.training.memory.dry_run.microbatches import (
+from megatron_lite.run_modes.dry_run.microbatches import (
     dry_run_microbatches,
     most_in_flight,
     stage_signature,
     with_microbatches,
 )
-from megatron_lite.training.memory.dry_run.moe import moe_layer_signature, moe_routings
-from megatron_lite.training.memory.dry_run.processes import DryRunError, run_in_children
-from megatron_lite.training.memory.dry_run.stage import measure_stage
+from megatron_lite.run_modes.dry_run.moe import moe_layer_signature, moe_routings
+from megatron_lite.run_modes.dry_run.processes import DryRunError, run_in_children
+from megatron_lite.run_modes.dry_run.stage import measure_stage
 
 __all__ = [
     "NOT_SIMULATED",

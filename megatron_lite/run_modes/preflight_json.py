@@ -1,0 +1,73 @@
+"""``--memory-preflight-json``: the preflight as data, and the file it goes to (refused before anything
+runs when it cannot be written)."""
+
+from __future__ import annotations
+
+import os
+
+from megatron_lite.training.errors import ConfigError
+from megatron_lite.training.memory.table import preflight_activation_bytes
+
+# The share of the device kept for what no tensor shows (the CUDA context, NCCL's buffers, the caching
+# allocator's rounding and fragmentation).
+RESERVE_FRACTION = 0.10
+
+
+def preflight_record(
+    predictions,
+    capacity_gb: float,
+    fits: bool,
+    recommendation: str | None,
+    dry=None,
+    confirmed=None,
+    balanced=None,
+    moe_routing: str | None = None,
+) -> dict:
+    """The preflight as data (``--memory-preflight-json``): per stage the predicted allocated peak and
+    its parts, in bytes, and with ``dry`` the dry run's measured peak; the device; the verdict; the
+    flags to add ("" when it fits as given, None when no combination of the levers fits) and, when
+    the dry run measured them, whether they fit (``recommendation_confirmed``). A MoE model's
+    ``moe_routing`` says what the figures are: "worst" (the worst routing's bound, judged; balanced
+    routing's peak and activations beside, ``*_balanced``) or "exact" (padded to capacity)."""
+    stages = [
+        {
+            "stage": i,
+            "predicted_max_allocated_bytes": p.peak_bytes,
+            **({"dry_run_max_allocated_bytes": dry[i].max_allocated_bytes} if dry else {}),
+            "weights_bytes": p.weights_bytes,
+            "grads_bytes": p.grads_bytes,
+            "optimizer_bytes": p.optimizer_state_bytes,
+            "activations_bytes": preflight_activation_bytes(p),
+            "temporaries_bytes": p.temporaries_bytes,
+            **(
+                {
+                    "predicted_max_allocated_bytes_balanced": balanced[i].peak_bytes,
+                    "activations_bytes_balanced": preflight_activation_bytes(balanced[i]),
+                }
+                if balanced
+                else {}
+            ),
+        }
+        for i, p in enumerate(predictions)
+    ]
+    return {
+        "stages": stages,
+        **({} if moe_routing is None else {"moe_routing": moe_routing}),
+        "device_bytes": int(capacity_gb * 1e9),
+        "reserve_fraction": RESERVE_FRACTION,
+        "fits": fits,
+        "recommendation": recommendation,
+        **({} if confirmed is None else {"recommendation_confirmed": confirmed}),
+    }
+
+
+def json_path_arg(value: str | None) -> str:
+    """--memory-preflight-json's FILE, refused before anything runs when it cannot be written there."""
+    if not value or value.startswith("-"):
+        raise ConfigError("--memory-preflight-json", "needs a FILE to write the preflight to")
+    directory = os.path.dirname(os.path.abspath(value))
+    if os.path.isdir(value) or not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise ConfigError(
+            "--memory-preflight-json", f"cannot write {value}: {directory} is not a writable directory"
+        )
+    return value
