@@ -6,7 +6,7 @@
 For a few shapes on this machine's CPU (one process, fp32 and bf16): the median iteration time of each
 path over rounds that alternate them, their ratio, and the output layer's share of the step's matmul
 work (the fused path runs the output layer's GEMM once more in backward, so its extra time is about a
-third of that share). Then, for the README's Llama-3-70B-shaped job (tp 8 x pp 8, seq 8192, bf16), the
+third of that share). Then, for docs/memory.md's Llama-3-70B-shaped job (tp 8 x pp 8, seq 8192, bf16), the
 last stage's predicted temporaries: the logits-sized ones (the unfused [s, b, V/tp] logits and their fp32
 copy at the loss, the softmax as the gradient in backward; the fused path's one chunk) and the stage's
 temporaries at its peak, beside the dry run's peak. No timing is asserted anywhere.
@@ -77,8 +77,8 @@ LLAMA_70B = (
 
 
 def llama_70b() -> None:
+    from megatron_lite.run_modes.dry_run import dry_run_stages
     from megatron_lite.training.arguments import config_from_argv
-    from megatron_lite.training.memory.dry_run import dry_run_stages
     from megatron_lite.training.memory.predict import temporaries as temps
     from megatron_lite.training.memory.predict.activations import make_shape, vocab_per_rank
     from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
