@@ -2,7 +2,7 @@
 says why the value means something) or one error line, exit 2, no traceback and no file written.
 
 The flags come from the help text itself, so a numeric flag added later is walked here too (and must
-get a range in training/config/ranges.py's RANGES first).
+get a range in training/cli/ranges.py's RANGES first).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 from dist_helpers import PRETRAIN, SMALL_MODEL, parse_losses, run_pretrain
 
 from megatron_lite.training.arguments import parse_args
+from megatron_lite.training.cli.ranges import RANGES
 from megatron_lite.training.config import ConfigContainer, ConfigError
-from megatron_lite.training.config.ranges import RANGES
 
 VALUES = ("0", "-1", "nan", "inf")
 

@@ -25,6 +25,8 @@ FLOORS = {
     "megatron_lite.training.tokenizers": 3,
     "megatron_lite.data": 4,
     "megatron_lite.training.config": 5,  # the typed config and its validation
+    "megatron_lite.training.cli": 5,  # the flag table and ranges, which the validation names
+    "megatron_lite.training.cli.parser": 7,  # reads a checkpoint's config (--use-checkpoint-args)
     "megatron_lite.training.memory": 6,  # measurement, attribution and prediction: below the loop
     "megatron_lite.training": 7,  # the loop, its set-up, state, checkpoints, logging
     "megatron_lite.recipes": 8,

@@ -7,8 +7,8 @@ import pytest
 from dist_helpers import run_pretrain, run_world
 
 from megatron_lite.training.arguments import config_from_argv
+from megatron_lite.training.cli.moe_args import parse_moe_layer_freq
 from megatron_lite.training.config import ConfigContainer, ConfigError
-from megatron_lite.training.moe_arguments import parse_moe_layer_freq
 
 MOE = ["--num-experts", "4"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--disable-bias-linear"]

@@ -32,7 +32,7 @@ import warnings
 from megatron_lite.run_modes.dry_run import DryRunError, dry_run_stages
 from megatron_lite.run_modes.preflight_json import RESERVE_FRACTION, json_path_arg, preflight_record
 from megatron_lite.training.arguments import config_from_argv
-from megatron_lite.training.config.ranges import RANGES, check_value
+from megatron_lite.training.cli.ranges import RANGES, check_value
 from megatron_lite.training.errors import ConfigError
 from megatron_lite.training.memory.levers import candidate_changes
 from megatron_lite.training.memory.predict.moe import judged_routing

@@ -19,9 +19,9 @@ from megatron_lite.training.checkpointing.compat import architecture_fields
 from megatron_lite.training.checkpointing.load import resolve_checkpoint
 from megatron_lite.training.checkpointing.reshard import read_saved_config
 from megatron_lite.training.checkpointing.safety import CheckpointError
-from megatron_lite.training.config.flags import FLAGS
+from megatron_lite.training.cli.flags import FLAGS
+from megatron_lite.training.cli.parallel_args import virtual_pipeline_from_args
 from megatron_lite.training.errors import ConfigError
-from megatron_lite.training.parallel_arguments import virtual_pipeline_from_args
 
 FLAG = "--use-checkpoint-args"
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 
 from megatron_lite.data.base import DatasetProvider
 from megatron_lite.models.gpt_provider import GPTModelProvider
+from megatron_lite.training.cli.ranges import check_config_ranges
 from megatron_lite.training.config.base import _ConfigContainerBase
 from megatron_lite.training.config.checkpoint import CheckpointConfig
 from megatron_lite.training.config.data import GPTDatasetConfig, MockGPTDatasetConfig
@@ -30,7 +31,6 @@ from megatron_lite.training.config.optimizer import (
     _validate_mixed_precision_consistency,
 )
 from megatron_lite.training.config.profiling import ProfilingConfig
-from megatron_lite.training.config.ranges import check_config_ranges
 from megatron_lite.training.config.runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
 from megatron_lite.training.config.training import (
     SchedulerConfig,

@@ -11,7 +11,7 @@ recomputation and the other activation-memory flags.
 
 from __future__ import annotations
 
-from megatron_lite.training.config.ranges import check_config_ranges
+from megatron_lite.training.cli.ranges import check_config_ranges
 from megatron_lite.training.config.validate.activation_levers import check_activation_levers
 from megatron_lite.training.config.validate.architecture import check_architecture
 from megatron_lite.training.config.validate.data import check_data

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
-from megatron_lite.training.config.moe_flags import MOE_FLAGS
+from megatron_lite.training.cli.flags import FLAGS
 from megatron_lite.training.errors import ConfigError
 
 # Every --moe-* flag and its model field: each needs --num-experts when set away from its default.
-MOE_FIELDS = {flag: name for flag, _section, name, _kind, _help in MOE_FLAGS if flag.startswith("--moe-")}
+MOE_FIELDS = {flag: name for flag, _section, name, _kind, _help in FLAGS if flag.startswith("--moe-")}
 
 LOAD_BALANCING_TYPES = ("aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")

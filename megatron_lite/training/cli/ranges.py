@@ -14,7 +14,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from megatron_lite.training.config.flags import FLAGS
+from megatron_lite.training.cli.flags import FLAGS
 from megatron_lite.training.errors import ConfigError
 
 
