@@ -28,6 +28,14 @@ SMALL_MODEL = (
     "--log-interval 1"
 ).split()
 
+# A small MoE job (4 ranks: ep 2 x pp 2, all-to-all dispatch, grouped GEMM) for the MoE memory tests.
+SMALL_MOE_JOB = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--vocab-size 256 --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 --train-iters 2 --log-interval 1 "
+    "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --expert-model-parallel-size 2 "
+    "--pipeline-model-parallel-size 2 --nproc-per-node 4 --moe-token-dispatcher-type alltoall --moe-grouped-gemm"
+).split()
+
 
 def free_port() -> int:
     with socket.socket() as s:

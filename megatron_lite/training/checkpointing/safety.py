@@ -41,7 +41,7 @@ def _numpy_reconstruct():
 # What megatron_lite wrote before checkpoints were plain: NumPy's RNG state (an ndarray, under NumPy 1's
 # module name too), the config's activation and init callables (functools.partial of _normal_init) and a
 # --pipeline-model-parallel-layout's object. Rebuilding any of them calls no function but a constructor;
-# the functions themselves are only referenced, never called (tests/test_checkpoint_safety.py walks the
+# the functions themselves are only referenced, never called (tests/training/checkpointing/test_checkpoint_safety.py walks the
 # flags that put objects into the config).
 LEGACY_GLOBALS = [
     _numpy_reconstruct(),

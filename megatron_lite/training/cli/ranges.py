@@ -1,6 +1,6 @@
 """The values each numeric flag allows, checked before anything is derived from them.
 
-One entry per numeric flag of ``pretrain.py --help`` (tests/test_flag_ranges.py fails for a flag
+One entry per numeric flag of ``pretrain.py --help`` (tests/training/test_flag_ranges.py fails for a flag
 without one). Sizes and counts of things are integers >= 1; rates, coefficients and epsilons are finite;
 fractions lie in their interval. Where 0 is allowed, the comment says what it means.
 ``ConfigContainer.validate`` checks the config fields of these flags first (so a bad value is never

@@ -6,7 +6,7 @@ import re
 
 import pytest
 from dist_helpers import SMALL_MODEL, run_pretrain
-from test_memory_logging import scalars
+from event_files import scalars
 
 pytestmark = pytest.mark.world  # every test here starts processes
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_helpers import SMALL_MOE_JOB
 from memory_measure import measure
 
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
@@ -77,17 +78,10 @@ def test_padded_capacity_fixes_the_rows_and_open_routing_stays_under_the_worst_b
 
 import megatron_lite.training.memory.predict.moe as moe  # noqa: E402  (the module the test above patches)
 
-RUN = (
-    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-    "--vocab-size 256 --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 --train-iters 2 --log-interval 1 "
-    "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --expert-model-parallel-size 2 "
-    "--pipeline-model-parallel-size 2 --nproc-per-node 4 --moe-token-dispatcher-type alltoall --moe-grouped-gemm"
-).split()
-
 
 @pytest.mark.world
 def test_with_padded_capacity_every_stage_matches_its_measured_activations_within_3_percent(tmp_path):
-    argv = [*RUN, "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+    argv = [*SMALL_MOE_JOB, "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
     stages = measure(argv, 4, tmp_path, quiet=True)
     for stage, s in enumerate(stages):
         for quantity in ("weights", "grads", "optimizer"):
@@ -99,8 +93,8 @@ def test_with_padded_capacity_every_stage_matches_its_measured_activations_withi
 
 @pytest.mark.world
 def test_without_capacity_each_stage_stays_under_the_worst_routing_bound(tmp_path):
-    stages = measure(RUN, 4, tmp_path, quiet=True)
-    predictions = predict_memory_per_stage(parse_args(RUN))
+    stages = measure(SMALL_MOE_JOB, 4, tmp_path, quiet=True)
+    predictions = predict_memory_per_stage(parse_args(SMALL_MOE_JOB))
     for stage, (s, p) in enumerate(zip(stages, predictions)):
         measured, balanced = s["activations"]
         worst = p.activation_bytes_worst / 1e9

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_lite.training.memory import host_allocator
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 glibc_only = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc settings"
 )

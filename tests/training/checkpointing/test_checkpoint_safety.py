@@ -28,7 +28,7 @@ from megatron_lite.core.utils import init_method_normal
 from megatron_lite.training.arguments import parse_args
 from megatron_lite.training.checkpointing.safety import load_checkpoint_file, plain
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 ITERS = [*SMALL_MODEL, "--train-iters", "4", "--log-interval", "1"]
 DIST_OPT = ["--nproc-per-node", "2", "--use-distributed-optimizer", "--micro-batch-size", "1"]
 

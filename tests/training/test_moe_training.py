@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from dist_helpers import SMALL_MODEL, parse_losses, run_pretrain
-from test_memory_logging import scalars
+from event_files import scalars
 
 pytestmark = pytest.mark.world  # every test here starts processes
 

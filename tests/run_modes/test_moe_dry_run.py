@@ -6,8 +6,8 @@ from __future__ import annotations
 import io
 
 import pytest
+from dist_helpers import SMALL_MOE_JOB
 from memory_measure import measure
-from test_moe_memory import RUN
 
 from megatron_lite.run_modes.dry_run import dry_run_stages
 from megatron_lite.run_modes.dry_run.moe import routing_plan
@@ -19,7 +19,7 @@ PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capa
 
 @pytest.mark.world
 def test_with_padded_capacity_every_stage_is_the_real_runs_peak_within_3_percent(tmp_path):
-    argv = [*RUN, *PADDED]
+    argv = [*SMALL_MOE_JOB, *PADDED]
     out = io.StringIO()
     dry = dry_run_stages(parse_args(argv), out=out)
     measured = [s["peak"][0] * 1e9 for s in measure(argv, 4, tmp_path, quiet=True)]
@@ -33,8 +33,8 @@ def test_with_padded_capacity_every_stage_is_the_real_runs_peak_within_3_percent
 @pytest.mark.world
 def test_without_capacity_the_real_runs_peak_stays_under_the_worst_routings_and_that_is_judged(tmp_path):
     out = io.StringIO()
-    dry = dry_run_stages(parse_args(RUN), out=out)
-    measured = [s["peak"][0] * 1e9 for s in measure(RUN, 4, tmp_path, quiet=True)]
+    dry = dry_run_stages(parse_args(SMALL_MOE_JOB), out=out)
+    measured = [s["peak"][0] * 1e9 for s in measure(SMALL_MOE_JOB, 4, tmp_path, quiet=True)]
     print(out.getvalue(), measured, dry)
     assert "worst routing / balanced routing" in out.getvalue()
     for stage, (d, m) in enumerate(zip(dry, measured, strict=True)):
@@ -44,11 +44,11 @@ def test_without_capacity_the_real_runs_peak_stays_under_the_worst_routings_and_
 
 
 def test_the_plans_route_every_token_k_times_and_the_worst_fills_the_local_experts_to_the_bound():
-    m = parse_args(RUN).model  # 4 experts, top 2, ep 2: experts 0 and 1 are ep rank 0's
+    m = parse_args(SMALL_MOE_JOB).model  # 4 experts, top 2, ep 2: experts 0 and 1 are ep rank 0's
     tokens = 64
     balanced = routing_plan(m, "balanced")(tokens, 4, [0, 1])
     worst = routing_plan(m, "worst")(tokens, 4, [0, 1])
     assert balanced == [32, 32, 32, 32] and sum(worst) == tokens * 2
     assert 2 * sum(worst[:2]) == routed_rows(m, tokens, "worst")[0]  # 2 ranks' tokens, as predicted
-    padded = parse_args([*RUN, "--moe-expert-capacity-factor", "0.5", *PADDED[2:]]).model
+    padded = parse_args([*SMALL_MOE_JOB, "--moe-expert-capacity-factor", "0.5", *PADDED[2:]]).model
     assert routing_plan(padded, "worst")(tokens, 4, [0, 1]) == [16] * 4  # padding fixes the rows

@@ -8,7 +8,7 @@ import zipfile
 import pytest
 import torch.distributed as dist
 from dist_helpers import REPO, SMALL_MODEL, run_pretrain, run_world
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from event_files import scalars
 from wandb_offline import read_history
 
 pytestmark = pytest.mark.world  # every test here starts processes
@@ -19,12 +19,6 @@ UNIFORM = (
     "--seq-length 64 --max-position-embeddings 64 --vocab-size 128 --micro-batch-size 2 --global-batch-size 16 "
     f"--train-iters {ITERS}"
 ).split()
-
-
-def scalars(logdir) -> dict[str, dict[int, float]]:
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
 _COLLECTIVES = (
