@@ -89,7 +89,7 @@ class ModelParallelConfig:
     deterministic_mode: bool = False
     """Prefer deterministic kernels."""
     gradient_accumulation_fusion: bool = False
-    """Linear layers add their weight gradient straight into the parameter's fp32 ``main_grad`` (DDP's),
+    """Dense linear layers (not the routed experts' grouped GEMM) add their weight gradient straight into the parameter's fp32 ``main_grad`` (DDP's),
     so no weight-sized gradient exists (core/fusions/fused_weight_gradient: an fp32-output GEMM on CUDA,
     slices of tokens upcast elsewhere). Megatron-LM turns it on by default (``--no-gradient-accumulation-fusion``)."""
     async_tensor_model_parallel_allreduce: bool = False

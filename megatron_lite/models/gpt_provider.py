@@ -49,8 +49,9 @@ class GPTModelProvider(TransformerConfig):
     deallocate_pipeline_outputs: bool = True
     """Free a stage's sent output right after sending (the 1F1B activation bound), as Megatron-Bridge."""
     gradient_accumulation_fusion: bool = True
-    """Weight gradients straight into the fp32 ``main_grad``, as Megatron-LM's default and Megatron-Bridge's
-    where the fused kernel exists (megatron_lite has it on every device)."""
+    """Dense linear layers add their weight gradients straight into the fp32 ``main_grad``, as Megatron-LM's
+    default and Megatron-Bridge's where the fused kernel exists (megatron_lite has it on every device);
+    the fused loss (--cross-entropy-loss-fusion) always does."""
     init_seed: int = 1234
     """Seed of the layout-independent weight init (setup sets it from ``RNGConfig.seed``)."""
     # Groups the model is built with (parallel_state's when None); setup sets it, as upstream. A

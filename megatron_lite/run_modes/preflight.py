@@ -141,7 +141,7 @@ def preflight(
     argv: list[str], capacity_gb: float, out=sys.stdout, json_path: str | None = None, dry_run: bool = False
 ) -> int:
     """Print the prediction and verdict for ``argv`` (pretrain.py's flags without the preflight's);
-    with ``dry_run``, also each stage's dry run (dry_run.py), and confirm the recommended change with
+    with ``dry_run``, also each stage's dry run (dry_run/), and confirm the recommended change with
     one; with ``json_path``, also write them there (atomically)."""
     config = _config(argv)
     m = config.model

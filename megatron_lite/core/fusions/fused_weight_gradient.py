@@ -7,7 +7,8 @@ apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`` (or Transformer 
 ``accumulate``) has the GEMM add its fp32 result into ``main_grad``. Here:
 
 - same dtypes (fp32 training): ``addmm_`` in place;
-- bf16 / fp16 into fp32 on CUDA: the same GEMM with an fp32 output (``aten::addmm.dtype_out``), in place;
+- bf16 / fp16 into fp32 on CUDA: the same GEMM with an fp32 output (``aten::addmm.dtype_out``, torch
+  2.10 or later), in place;
 - bf16 / fp16 into fp32 elsewhere (no such kernel on the CPU): the tokens a budget's worth at a time,
   upcast and added with an fp32 ``addmm_``; the products of bf16 values are exact in fp32, so every
   path sums in fp32 as the CUDA kernel does and nothing is rounded to bf16 on the way.
@@ -18,6 +19,10 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.core.process_group_utils import kernel_device_type
+
+# aten::addmm.dtype_out accepts an fp32 ``self`` with bf16 / fp16 matrices from torch 2.10 on (pytorch
+# #167931); before, CUDA takes the upcast slices too.
+FP32_OUTPUT_GEMM = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 10)
 
 # Bytes a budgeted temporary may take on each kind of device: one chunk of the fused loss's fp32
 # logits, or one slice of tokens upcast for the weight gradient: small beside a layer's activations.
@@ -32,7 +37,7 @@ def rows_in_budget(row_bytes: int, device_type: str) -> int:
 def upcast_token_rows(in_features: int, out_features: int, device_type: str) -> int:
     """Tokens per slice when a bf16 weight gradient is upcast to be added into ``main_grad`` without an
     fp32-output GEMM: the budget's worth of both operands' fp32 rows; 0 where no slice is needed."""
-    if device_type == "cuda":
+    if device_type == "cuda" and FP32_OUTPUT_GEMM:
         return 0
     return rows_in_budget(4 * (in_features + out_features), device_type)
 
@@ -57,10 +62,10 @@ def wgrad_gemm_accum_fp32(
 
 
 def main_grad_ready(weight: torch.Tensor) -> None:
-    """Tell DDP that a backward has added ``weight``'s gradient into its ``main_grad`` (autograd's own
-    hooks never see a gradient that was not returned to it). DDP's hook may start the bucket's
-    asynchronous reduction over the data-parallel group, as megatron-core's does when it receives the
-    fused path's dummy gradient."""
+    """Tell DDP that a backward has added ``weight``'s gradient into its ``main_grad``: autograd is
+    returned none, and whether its post-accumulate hook still fires then depends on the torch version
+    (it does on 2.13; DDP's hook is idempotent). DDP's hook may start the bucket's asynchronous
+    reduction over the data-parallel group, as megatron-core's does on the fused path's dummy gradient."""
     hook = getattr(weight, "main_grad_hook", None)
     if hook is not None:
         hook(weight)

@@ -1,12 +1,9 @@
-"""Linear and embedding layers whose weights are split across tensor-parallel ranks, with
-megatron.core.tensor_parallel.layers' constructors (the embedding in vocab_parallel_embedding.py, the
-functional linears in linear_functions.py, all importable here as upstream).
-
-A ``tp_group`` of None means parallel_state's tensor-parallel group once it is initialised, and no
-tensor parallelism before. Every rank draws the full master weight and keeps its slice (upstream's
-"CPU initialisation", whatever ``use_cpu_initialization`` says), so a model starts identical under any
-layout; ``use_cpu_initialization`` only chooses where the parameters are allocated.
-"""
+"""Linear layers whose weights are split across tensor-parallel ranks, with megatron.core.tensor_parallel
+.layers' constructors (the embedding and the functional linears live in files of their own, importable
+here). A ``tp_group`` of None means parallel_state's group once initialised, and no tensor parallelism
+before. Every rank draws the full master weight and keeps its slice (upstream's "CPU initialisation",
+whatever ``use_cpu_initialization`` says, which only chooses where parameters live), so a model starts
+identical under any layout."""
 
 from __future__ import annotations
 
@@ -38,10 +35,12 @@ from megatron_lite.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron_lite.core.tensor_parallel.utils import (
+from megatron_lite.core.tensor_parallel.utils import (  # noqa: F401 (as upstream)
+    VocabUtility,
     copy_gtp_attributes,
     copy_tensor_model_parallel_attributes,
     divide,
+    init_partition_,
     new_partitioned_parameter,
     param_is_not_tensor_parallel_duplicate,
     parameter_device,

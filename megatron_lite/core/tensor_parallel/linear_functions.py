@@ -80,7 +80,7 @@ def linear_with_grad_accumulation_and_async_allreduce(
     gtp_remat_size: int = 1,
     output_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Trainable linear layer with upstream's signature, without the fused/overlapped kernels: the
+    """Trainable linear layer with upstream's signature, without the overlapped kernels: the
     input-gradient all-reduce (``allreduce_dgrad``) runs after the GEMM, not overlapped with it.
     With a ``grad_output_buffer`` the weight gradients of the first ``wgrad_deferral_limit``
     backwards (0: all) are deferred (linear_wgrad). Collective over ``tp_group`` as

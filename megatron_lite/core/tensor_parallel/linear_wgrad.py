@@ -10,8 +10,8 @@ the last pipeline stage), backward appends its output gradient there instead of 
 gradient, for the first ``wgrad_deferral_limit`` microbatches of a step (0: all of them); the layer keeps
 their inputs in its ``embedding_activation_buffer``. :func:`drain_wgrad` then runs those GEMMs in
 microbatch order at the pipeline flush, while the other stages are still finishing their backwards,
-adding each into the weight's ``main_grad`` as autograd would have: the same GEMM, the same order, the
-same bits.
+adding each into the weight's ``main_grad`` as the undeferred backward would have: the same GEMM (the
+fused one with gradient-accumulation fusion), the same order, the same bits.
 
 With ``gradient_accumulation_fusion`` (and a weight that has DDP's fp32 ``main_grad``) the weight gradient
 is added straight into ``main_grad`` (fusions/fused_weight_gradient), as megatron-core's is: no

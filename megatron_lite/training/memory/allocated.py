@@ -14,7 +14,7 @@ opaque tensors, and a Python-level ``storage.resize_`` (no op is dispatched: the
 until the storage is freed). Higher-order operators (``torch.cond``, flex attention) are refused under
 the mode, as under any TorchDispatchMode that does not opt in; nothing here uses them. A test checks
 the total against the allocator's own memory events from ``torch.profiler`` (``profile_memory=True``).
-The preflight's dry run (dry_run/) counts fake tensors with the same tracker: their storages are
+The preflight's dry run (run_modes/dry_run/) counts fake tensors with the same tracker: their storages are
 ``meta`` ones (``reset(storage_device="meta")``), with sizes and weak references like the CPU's.
 
 Tracking costs one Python call per op, so the loop tracks only the iterations whose memory is

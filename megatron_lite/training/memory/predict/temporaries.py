@@ -9,13 +9,15 @@ sequence parallelism, V' = V / tp, f = the MLP's fc2 width per TP rank, element 
   normalised in place and becomes the saved softmax (fp32 logits are that buffer themselves). The
   softmax, its masks and the loss mask are not saved yet at that instant;
 - the output layer's backward: its input gradient t h e (the whole sequence before SP's
-  reduce-scatter), under SP the re-gathered input t h e, and its weight gradient V' h e, beside all of
-  the chunk's saves (the cross entropy's gradient is its own softmax buffer, modified in place); the
-  fused loss's (--cross-entropy-loss-fusion) holds one chunk's rows of each instead, and no weight
-  gradient (it adds into main_grad);
+  reduce-scatter), under SP the re-gathered input t h e, and its weight gradient V' h e (with
+  gradient-accumulation fusion none: on CUDA and in fp32 the GEMM adds into main_grad, on a CPU bf16
+  run slices of tokens upcast), beside all of the chunk's saves (the cross entropy's gradient is its own
+  softmax buffer, modified in place); the fused loss's (--cross-entropy-loss-fusion) holds one chunk's
+  rows of each instead, and no weight gradient (it adds into main_grad);
 - a layer's backward, which starts with linear_fc2's: the output gradient t' h e (received from the
   next stage, or the final norm's), gathered under SP (t h e), the input gradient t f e and the weight
-  gradient h f e, beside everything the chunk saved;
+  gradient h f e (as the output layer's with fusion, except a MoE layer's experts, which do not fuse),
+  beside everything the chunk saved;
 - the optimizer step, with no activations: get_grad_norm_fp32's fp64 copy of one gradient at a time
   (8 bytes an element of the largest parameter or distributed-optimizer shard piece), AdamW's
   sqrt(exp_avg_sq) and its quotient (two fp32 copies of the largest parameter with PyTorch's
@@ -118,7 +120,9 @@ def layer_backward_extra(x: Shape) -> int:
     m, t, e, h = x.m, x.tokens, x.elt, x.m.hidden_size
     f = m.ffn_hidden_size // m.tensor_model_parallel_size
     grad_output = x.norm_tokens * h * e + (t * h * e if m.sequence_parallel else 0)
-    wgrad = fused_wgrad_extra(x, h, f, t) if m.gradient_accumulation_fusion else h * f * e
+    # The routed experts' grouped GEMM returns weight-sized gradients, fusion or not.
+    fused = m.gradient_accumulation_fusion and not m.num_moe_experts
+    wgrad = fused_wgrad_extra(x, h, f, t) if fused else h * f * e
     return grad_output + t * f * e + wgrad
 
 
