@@ -55,7 +55,7 @@ def build_train_valid_datasets(config, pg_collection=None, tokenizer=None) -> tu
     ``tokenizer`` (the caller builds it: the tokenizers live above the data). Collective over the
     world with real data."""
     ds, m, t, v = config.dataset, config.model, config.train, config.validation
-    if tokenizer is None and (isinstance(ds, DatasetProvider) or not ds.mock):
+    if tokenizer is None and not isinstance(ds, DatasetProvider) and not ds.mock:
         raise ValueError(
             "build_train_valid_datasets: real data needs the run's tokenizer (get_tokenizer(config))"
         )
