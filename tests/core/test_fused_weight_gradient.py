@@ -81,8 +81,9 @@ def _config(fusion: bool, dtype=torch.float32) -> TransformerConfig:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_layer_adds_into_main_grad_and_tells_ddp(layer, dtype):
     """With fusion the layer's weight gets no .grad: its gradient is in main_grad (the unfused one, added
-    to what was there) and DDP's hook hears of it once per backward; without a main_grad (no DDP) the
-    weight gets autograd's gradient as unfused."""
+    to what was there) and DDP's hook (autograd's post-accumulate hook, which fires though no gradient
+    was returned) hears of it once per backward; without a main_grad (no DDP) the weight gets
+    autograd's gradient as unfused."""
     kwargs = dict(init_method=torch.nn.init.normal_, bias=False, skip_bias_add=False)
     if layer is RowParallelLinear:
         kwargs["input_is_parallel"] = True
@@ -94,7 +95,7 @@ def test_a_layer_adds_into_main_grad_and_tells_ddp(layer, dtype):
     plain(x)[0].backward(grad)
     fused.weight.main_grad = torch.full((OUT, IN), 0.25)
     heard = []
-    fused.weight.main_grad_hook = heard.append
+    fused.weight.register_post_accumulate_grad_hook(heard.append)
     x_fused = x.clone().requires_grad_(True)
     fused(x_fused)[0].backward(grad)
     assert fused.weight.grad is None and heard == [fused.weight]
@@ -106,17 +107,22 @@ def test_a_layer_adds_into_main_grad_and_tells_ddp(layer, dtype):
 
 
 def test_a_tied_weight_is_final_only_after_its_other_use():
-    """An output layer given the embedding's weight adds into main_grad but does not tell DDP: the
-    embedding's backward adds to the same gradient later, and its own hook says when it is final."""
+    """An output layer given the embedding's weight adds its part into main_grad; autograd calls the
+    weight's post-accumulate hook (DDP's) once, after the embedding lookup's part has arrived too, so
+    what DDP adds and reduces is final."""
     layer = ColumnParallelLinear(
         IN, OUT, config=_config(True), init_method=torch.nn.init.normal_, bias=False,
         skip_weight_param_allocation=True,
     )  # fmt: skip
     shared = torch.nn.Parameter(torch.randn(OUT, IN))
-    shared.main_grad, heard = torch.zeros(OUT, IN), []
-    shared.main_grad_hook = heard.append
-    layer(torch.randn(2, 3, IN), weight=shared)[0].sum().backward()
-    assert heard == [] and shared.grad is None and shared.main_grad.abs().sum() > 0
+    shared.main_grad, seen = torch.zeros(OUT, IN), []
+    shared.register_post_accumulate_grad_hook(lambda p: seen.append((p.grad.clone(), p.main_grad.clone())))
+    hidden = torch.nn.functional.embedding(torch.tensor([[1, 5, 5]]), shared)
+    layer(hidden, weight=shared)[0].sum().backward()
+    assert len(seen) == 1
+    lookup_grad, main_grad = seen[0]
+    assert lookup_grad.abs().sum(dim=1).nonzero().flatten().tolist() == [1, 5]  # the lookup's part
+    assert main_grad.abs().sum() > 0  # the layer's part, already in main_grad
 
 
 @pytest.mark.world

@@ -83,9 +83,6 @@ class DistributedDataParallel(nn.Module):
                 # (tensor_parallel/embedding_grad.py).
                 p.main_grad_is_grad = not self.overlap_grad_reduce
             p.register_post_accumulate_grad_hook(self._grad_hook)
-            # A backward that adds the gradient into main_grad itself (gradient-accumulation fusion)
-            # returns none to autograd, so it calls this instead (fusions/fused_weight_gradient).
-            p.main_grad_hook = self._grad_hook
         if self.overlap_param_gather:
             for sub in module.modules():
                 own = [p for p in sub.parameters(recurse=False) if p in self._buffer_of]
@@ -93,7 +90,8 @@ class DistributedDataParallel(nn.Module):
                     sub.register_forward_pre_hook(self._param_gather_hook(own))
 
     def _grad_hook(self, param: nn.Parameter) -> None:
-        # No .grad when a backward deferred this weight's gradient (linear_wgrad adds it later).
+        # No .grad when a backward deferred this weight's gradient (linear_wgrad adds it later) or
+        # added it into main_grad itself (gradient-accumulation fusion): autograd still calls this hook.
         if param.dtype != torch.float32 and param.grad is not None:
             param.main_grad.add_(param.grad)
             param.grad = None

@@ -59,13 +59,3 @@ def wgrad_gemm_accum_fp32(
     for start in range(0, x.size(0), rows):
         part = slice(start, start + rows)
         main_grad.addmm_(g[part].t().to(main_grad.dtype), x[part].to(main_grad.dtype))
-
-
-def main_grad_ready(weight: torch.Tensor) -> None:
-    """Tell DDP that a backward has added ``weight``'s gradient into its ``main_grad``: autograd is
-    returned none, and whether its post-accumulate hook still fires then depends on the torch version
-    (it does on 2.13; DDP's hook is idempotent). DDP's hook may start the bucket's asynchronous
-    reduction over the data-parallel group, as megatron-core's does on the fused path's dummy gradient."""
-    hook = getattr(weight, "main_grad_hook", None)
-    if hook is not None:
-        hook(weight)

@@ -191,9 +191,7 @@ class ColumnParallelLinear(nn.Module):
                 sequence_parallel,
                 self.grad_output_buffer if deferring else None,
                 self.config.wgrad_deferral_limit,
-                # DDP may reduce the weight's gradient once it is in main_grad, unless it is another
-                # layer's (a tied output layer: the embedding's backward adds to it later).
-                (2 if weight is self.weight else 1) if fusion else 0,
+                fusion,
             )
         elif weight.requires_grad:
             if no_reduce:
@@ -282,7 +280,7 @@ class RowParallelLinear(nn.Module):
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         if self.config.gradient_accumulation_fusion and self.weight.requires_grad:
             partial = LinearWithGradAccumulationAndAsyncCommunication.apply(
-                input_, self.weight, None, self.tp_group, False, None, 0, 2
+                input_, self.weight, None, self.tp_group, False, None, 0, True
             )
         else:
             partial = F.linear(input_, self.weight)

@@ -96,6 +96,6 @@ def linear_with_grad_accumulation_and_async_allreduce(
     if sequence_parallel or grad_output_buffer is not None or gradient_accumulation_fusion:
         return LinearWithGradAccumulationAndAsyncCommunication.apply(
             input, weight, bias, tp_group, sequence_parallel, grad_output_buffer, wgrad_deferral_limit or 0,
-            1 if gradient_accumulation_fusion else 0,
+            gradient_accumulation_fusion,
         )  # fmt: skip
     return F.linear(input, weight, bias)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.core.fusions.fused_weight_gradient import main_grad_ready, wgrad_gemm_accum_fp32
+from megatron_lite.core.fusions.fused_weight_gradient import wgrad_gemm_accum_fp32
 from megatron_lite.core.tensor_parallel.collectives import _gather, _reduce_scatter
 
 
@@ -43,8 +43,8 @@ def defers_wgrad(grad_output_buffer: list | None, wgrad_deferral_limit: int | No
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """Collective over ``tp_group`` in forward and backward under ``sequence_parallel``; local otherwise
     (the caller copies the input into the tensor-parallel region, whose backward all-reduces).
-    ``gradient_accumulation_fusion``: 0 off, 1 into ``main_grad``, 2 into ``main_grad`` and tell DDP the
-    gradient is final (a weight this layer alone uses; a tied one is final only after its other use)."""
+    With ``gradient_accumulation_fusion`` autograd is returned no weight gradient; its post-accumulate
+    hook still fires (DDP's, once every use of a tied weight is done), and DDP finds no ``.grad`` to add."""
 
     @staticmethod
     def forward(
@@ -56,13 +56,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         sequence_parallel=True,
         grad_output_buffer=None,
         wgrad_deferral_limit=0,
-        gradient_accumulation_fusion=0,
+        gradient_accumulation_fusion=False,
     ):
         ctx.save_for_backward(input_, weight)
         # The parameter's own attribute: a saved tensor may come back as another object.
-        main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
-        ctx.main_grad, ctx.announce = main_grad, gradient_accumulation_fusion == 2 and main_grad is not None
-        ctx.param = weight if ctx.announce else None
+        ctx.main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
         ctx.has_bias, ctx.tp_group, ctx.sequence_parallel = bias is not None, tp_group, sequence_parallel
         ctx.grad_output_buffer, ctx.wgrad_deferral_limit = grad_output_buffer, wgrad_deferral_limit
         total_input = _gather(input_, tp_group, 0) if sequence_parallel else input_
@@ -84,8 +82,6 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             total_input = _gather(input_, ctx.tp_group, 0) if ctx.sequence_parallel else input_
             if ctx.main_grad is not None:
                 wgrad_gemm_accum_fp32(total_input, grad_output, ctx.main_grad)
-                if ctx.announce:
-                    main_grad_ready(ctx.param)
             else:
                 grad_weight = _wgrad(grad_output, total_input).to(weight.dtype)
         grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(0) if ctx.has_bias else None
