@@ -28,6 +28,7 @@ FLOORS = {
     "megatron_lite.training.cli": 5,  # the flag table and ranges, which the validation names
     "megatron_lite.training.cli.parser": 7,  # reads a checkpoint's config (--use-checkpoint-args)
     "megatron_lite.training.memory": 6,  # measurement, attribution and prediction: below the loop
+    "megatron_lite.training.metrics": 6,  # a step's metrics, the sinks and the console line: below the loop
     "megatron_lite.training": 7,  # the loop, its set-up, state, checkpoints, logging
     "megatron_lite.recipes": 8,
     "megatron_lite.bridge": 8,  # Hugging Face models in and out: above training (it writes checkpoints)

@@ -10,9 +10,9 @@ from megatron_lite.core import parallel_state
 from megatron_lite.core.pipeline_parallel import get_forward_backward_func
 from megatron_lite.training.config import ConfigContainer
 from megatron_lite.training.forward_step_func_types import prepare_forward_step_func
+from megatron_lite.training.metrics import VALIDATION, MetricsWriter, StepMetrics
 from megatron_lite.training.state import GlobalState
 from megatron_lite.training.utils.loss_reduction import accumulate_loss_reports, reduce_loss_reports
-from megatron_lite.training.utils.metrics_writer import MetricsWriter
 from megatron_lite.training.utils.train_utils import print_rank_last
 
 
@@ -59,10 +59,14 @@ def evaluate_and_print_results(forward_step_func, data_iterator, model, config, 
     iteration = global_state.train_state.step
     if results:
         line = f" validation loss at iteration {iteration} |"
-        metrics = {}
+        # Upstream's tags: the loss, against the step and the consumed samples; the perplexity too with
+        # --log-validation-ppl-to-tensorboard.
+        metrics = StepMetrics(iteration, samples=global_state.train_state.consumed_train_samples)
         for key, value in results.items():
             ppl = math.exp(min(20.0, value))
             line += f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |"
-            metrics.update({f"{key} validation": value, f"{key} validation ppl": ppl})
+            metrics.add({f"{key} validation": value}, vs_samples=True, kind=VALIDATION)
+            if config.logger.log_validation_ppl_to_tensorboard:
+                metrics.add({f"{key} validation ppl": ppl}, vs_samples=True, kind=VALIDATION)
         print_rank_last(line)
-        MetricsWriter.from_state(global_state).write(metrics, iteration)
+        MetricsWriter.from_state(global_state).write_step(metrics)

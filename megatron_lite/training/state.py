@@ -20,14 +20,14 @@ import torch.distributed as dist
 
 from megatron_lite.core.timers import Timers
 from megatron_lite.training.config import ConfigContainer
-from megatron_lite.training.train_state import TrainState
-from megatron_lite.training.utils import logger_factories
-from megatron_lite.training.utils.sig_utils import DistributedSignalHandler
-from megatron_lite.training.utils.timer_sinks import (  # upstream defines these here: importable from state
+from megatron_lite.training.metrics.timers import (  # upstream defines these here: importable from state
     _timers_write_to_comet,
     _timers_write_to_mlflow,
     _timers_write_to_wandb,
 )
+from megatron_lite.training.train_state import TrainState
+from megatron_lite.training.utils import logger_factories
+from megatron_lite.training.utils.sig_utils import DistributedSignalHandler
 from megatron_lite.utils.common_utils import get_rank_safe, get_world_size_safe
 
 # Hooks the training loop installs on the model config; a restarted run must install fresh ones.

@@ -19,6 +19,8 @@ from megatron_lite.training.memory.pipeline import memory_metrics
 from megatron_lite.training.memory.predict.stages import predict_memory_per_stage, predicted_memory_metrics
 from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
 from megatron_lite.training.memory.snapshots import dump_memory_snapshot
+from megatron_lite.training.metrics import MetricsWriter
+from megatron_lite.training.metrics.moe import moe_metrics
 from megatron_lite.training.profiling import (
     handle_profiling_step,
     handle_profiling_stop,
@@ -27,8 +29,6 @@ from megatron_lite.training.profiling import (
 )
 from megatron_lite.training.utils.flop_utils import num_floating_point_operations
 from megatron_lite.training.utils.loss_reduction import accumulate_loss_reports, reduce_loss_reports
-from megatron_lite.training.utils.metrics_writer import MetricsWriter
-from megatron_lite.training.utils.moe_metrics import moe_metrics
 from megatron_lite.training.utils.train_utils import print_rank_last, training_log
 
 __all__ = ["train", "train_step", "training_log"]

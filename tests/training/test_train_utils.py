@@ -20,116 +20,71 @@ from megatron_lite.training.utils.train_utils import (
 REPORT = {"mem-max-allocated-gigabytes": 1.5, "mem-alloc-retires": 2, "mem-ooms": 0, "flag": True}
 
 
-class FakeGroup:
-    def __init__(self, size: int):
-        self._size = size
-        self.size_calls = 0
-
-    def size(self) -> int:
-        self.size_calls += 1
-        return self._size
-
-
-def _initialized(mocker):
-    mocker.patch("torch.distributed.is_available", return_value=True)
-    mocker.patch("torch.distributed.is_initialized", return_value=True)
-    mocker.patch("torch.distributed.get_backend", return_value="gloo")
-
-
-def test_empty_report_is_returned_without_touching_the_group(mocker):
-    _initialized(mocker)
-    all_reduce = mocker.patch("torch.distributed.all_reduce")
-    group = mocker.Mock()
-    report = {}
-    assert reduce_max_memory_across_pp_group(report, group) is report
-    all_reduce.assert_not_called()
-    assert group.mock_calls == []
-
-
-def test_uninitialized_or_unavailable_returns_input_without_touching_the_group(mocker):
-    all_reduce = mocker.patch("torch.distributed.all_reduce")
-    group = mocker.Mock()
-    mocker.patch("torch.distributed.is_available", return_value=True)
-    mocker.patch("torch.distributed.is_initialized", return_value=False)
-    assert reduce_max_memory_across_pp_group(REPORT, group) is REPORT
+def test_without_a_process_group_the_report_comes_back_as_given(mocker):
+    assert not torch.distributed.is_initialized()  # this test process runs no world
+    assert reduce_max_memory_across_pp_group(REPORT, object()) is REPORT
+    # A torch built without distributed cannot be had here: that one is stood in for.
     mocker.patch("torch.distributed.is_available", return_value=False)
-    assert reduce_max_memory_across_pp_group(REPORT, group) is REPORT
-    all_reduce.assert_not_called()
-    assert group.mock_calls == []
-
-
-def test_group_without_callable_size_means_no_collective(mocker):
-    _initialized(mocker)
-    all_reduce = mocker.patch("torch.distributed.all_reduce")
-    for group in (object(), None, mocker.Mock(spec=[]), type("G", (), {"size": 4})()):
-        assert reduce_max_memory_across_pp_group(REPORT, group) is REPORT
-    all_reduce.assert_not_called()
-
-
-def test_group_of_one_means_no_collective(mocker):
-    _initialized(mocker)
-    all_reduce = mocker.patch("torch.distributed.all_reduce")
-    group = FakeGroup(1)
-    assert reduce_max_memory_across_pp_group(REPORT, group) is REPORT
-    assert group.size_calls == 1
-    all_reduce.assert_not_called()
-
-
-def test_one_float64_max_all_reduce_in_key_order(mocker):
-    _initialized(mocker)
-    mocker.patch("torch.cuda.current_device", side_effect=AssertionError("gloo must not touch CUDA"))
-    seen = {}
-
-    def fake_all_reduce(tensor, op=None, group=None):
-        seen.update(tensor=tensor.clone(), op=op, group=group)
-        tensor.copy_(torch.tensor([3.25, 7.0, 1.0, 1.0], dtype=torch.float64))
-
-    all_reduce = mocker.patch("torch.distributed.all_reduce", side_effect=fake_all_reduce)
-    group = FakeGroup(4)
-    original = dict(REPORT)
-    out = reduce_max_memory_across_pp_group(REPORT, group)
-    assert all_reduce.call_count == 1
-    assert seen["op"] == torch.distributed.ReduceOp.MAX and seen["group"] is group
-    assert seen["tensor"].dtype == torch.float64 and seen["tensor"].device.type == "cpu"
-    assert seen["tensor"].tolist() == [1.5, 2.0, 0.0, 1.0]
-    assert out == {"mem-max-allocated-gigabytes": 3.25, "mem-alloc-retires": 7, "mem-ooms": 1, "flag": 1.0}
-    assert type(out["mem-alloc-retires"]) is int and type(out["mem-ooms"]) is int
-    assert type(out["flag"]) is float  # bools are not ints here
-    assert REPORT == original and out is not REPORT
+    assert reduce_max_memory_across_pp_group(REPORT, object()) is REPORT
 
 
 def test_nccl_group_reduces_on_the_current_cuda_device(mocker):
+    """No CUDA here: the backend and device are stood in for."""
+    group = mocker.Mock(size=lambda: 2)
     mocker.patch("torch.distributed.get_backend", return_value="nccl")
     mocker.patch("torch.cuda.current_device", return_value=3)
-    assert get_collective_device(FakeGroup(2)) == torch.device("cuda", 3)
+    assert get_collective_device(group) == torch.device("cuda", 3)
     mocker.patch("torch.distributed.get_backend", return_value="gloo")
-    assert get_collective_device(FakeGroup(2)) == torch.device("cpu")
+    assert get_collective_device(group) == torch.device("cpu")
 
 
-def _reduce_in_real_world(rank, world):
-    group = torch.distributed.new_group(list(range(world)))
-    report = {
-        "mem-max-activation-gigabytes": 0.5 * (world - rank),
-        "mem-rss-gigabytes": 0.1 * rank,
-        "mem-alloc-retires": rank * 3,
-        "mem-ooms": 0,
-    }
+def _reductions_in_a_real_world(rank, world):
+    """Every rule of the reduction, in one real world: what each call returns and which collectives
+    it made (the real ones, counted on the way through)."""
+    seen: list[tuple] = []
+    real_all_reduce = torch.distributed.all_reduce
+
+    def counted(tensor, op=None, group=None, **kwargs):
+        seen.append((tensor.dtype, tensor.device.type, op, tensor.tolist()))
+        return real_all_reduce(tensor, op=op, group=group, **kwargs)
+
+    torch.distributed.all_reduce = counted
+    everyone = torch.distributed.new_group(list(range(world)))
+    alone = [torch.distributed.new_group([r]) for r in range(world)][rank]
+    report = {"mem-max-allocated-gigabytes": 0.5 * (world - rank), "mem-alloc-retires": rank * 3}
+    report |= {"mem-ooms": int(rank == 2), "flag": rank == 1}
     before = dict(report)
-    reduced = reduce_max_memory_across_pp_group(report, group)
-    peak, stages = gather_memory_across_pp_group(report, group)
-    assert report == before  # the input is never mutated
-    return report, reduced, peak, stages
+    out = {
+        "empty": reduce_max_memory_across_pp_group({}, everyone),
+        "no size": [reduce_max_memory_across_pp_group(report, g) is report for g in (object(), None)],
+        "alone": reduce_max_memory_across_pp_group(report, alone) is report,
+        "collectives before": list(seen),
+        "reduced": reduce_max_memory_across_pp_group(report, everyone),
+    }
+    out["collectives"] = seen[len(out["collectives before"]) :]
+    out["peak"], out["stages"] = gather_memory_across_pp_group(report, everyone)
+    out["mutated"] = report != before
+    torch.distributed.all_reduce = real_all_reduce
+    return report, out
 
 
 @pytest.mark.world
-def test_real_gloo_world_of_four():
-    results = run_world(_reduce_in_real_world, 4)
-    reports = [r[0] for r in results]
-    expected = {k: max(r[k] for r in reports) for k in reports[0]}
-    for _report, reduced, peak, stages in results:
-        assert reduced == expected == peak
-        assert type(reduced["mem-alloc-retires"]) is int
-        assert stages == reports
+def test_the_reduction_in_a_real_gloo_world_of_four():
+    results = run_world(_reductions_in_a_real_world, 4)
+    reports = [report for report, _ in results]
+    for report, out in results:
+        # Nothing to reduce, or no group to reduce over: the input back, no collective.
+        assert out["empty"] == {} and out["no size"] == [True, True] and out["alone"]
+        assert out["collectives before"] == []
+        # Otherwise one float64 MAX all-reduce on the CPU (gloo), the values in the report's key order.
+        ((dtype, device, op, sent),) = out["collectives"]
+        assert (dtype, device, op) == (torch.float64, "cpu", torch.distributed.ReduceOp.MAX)
+        assert sent == [float(v) for v in report.values()]
+        expected = {"mem-max-allocated-gigabytes": 2.0, "mem-alloc-retires": 9, "mem-ooms": 1, "flag": 1.0}
+        assert out["reduced"] == expected and list(out["reduced"]) == list(report)
+        assert type(out["reduced"]["mem-alloc-retires"]) is int and type(out["reduced"]["flag"]) is float
+        assert not out["mutated"]
+        assert out["peak"] == out["reduced"] and out["stages"] == reports
 
 
 def test_report_memory_on_cpu_measures_rss_and_activations():

@@ -1,5 +1,6 @@
-"""Upstream's train_utils surface (Megatron-Bridge training/utils/train_utils.py): dashboard names,
-training_log's calls to each sink, the reports, norms and forward-step injection."""
+"""Upstream's train_utils surface (Megatron-Bridge training/utils/train_utils.py): training_log's
+console line, memory flag and MoE calls, the reports, norms and forward-step injection. What reaches
+each dashboard is read back from real sinks in tests/training/test_metrics.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from megatron_lite.core import num_microbatches_calculator as nmc
 from megatron_lite.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron_lite.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron_lite.training.utils import train_utils
-from megatron_lite.training.utils.metrics_writer import MetricsWriter
 from megatron_lite.training.utils.train_utils import (
     MEMORY_KEYS,
     calc_params_l2_norm,
@@ -169,14 +169,17 @@ def test_memory_is_reduced_on_a_rank_without_loggers(patched):
     patched.reduce.assert_called_once_with({"mem-max-allocated-gigabytes": 1.5}, "pp")
 
 
-def test_memory_tags_reach_every_sink_with_the_memory_prefix(patched):
-    state = _state(3)
-    _log(state, _config(log_memory_to_tensorboard=True))
-    expected = {"memory/mem-max-allocated-gigabytes": 1.5, "memory/x": 9}
-    state.tensorboard_logger.add_scalar.assert_any_call("memory/x", 9, 3)
-    state.wandb_logger.log.assert_any_call(expected, 3)
-    state.mlflow_logger.log_metrics.assert_any_call(expected, step=3)
-    state.comet_logger.log_metrics.assert_any_call(expected, step=3)
+@pytest.mark.parametrize("loggers", [True, False], ids=["writer-rank", "other-rank"])
+def test_one_timer_gather_per_dashboard_step_and_the_same_collectives_on_every_rank(patched, loggers):
+    """The timers are gathered once for every sink (upstream: once per sink), on a rank with loggers
+    and one without alike; so are the other reductions."""
+    config = _config(log_timers_to_tensorboard=True, log_memory_to_tensorboard=True, timing_log_level=1)
+    for step in (1, 2):
+        state = _state(step, loggers=loggers)
+        _log(state, config)
+        assert state.timers.write.call_count == 1  # one gather, through upstream's Timers.write
+        assert state.timers.write.call_args.kwargs == {"normalizer": 1, "reset": True}
+    assert patched.reduce.call_count == 2  # the memory MAX, every step, every rank
 
 
 def test_a_memory_report_from_the_loop_is_used_as_given(patched):
@@ -185,19 +188,6 @@ def test_a_memory_report_from_the_loop_is_used_as_given(patched):
     patched.report.assert_not_called()
     patched.reduce.assert_not_called()
     state.wandb_logger.log.assert_any_call({"memory/mine": 4.0}, 3)
-
-
-def test_general_scalars_have_upstream_names_and_sample_curves(patched):
-    state = _state(2)
-    _log(state, _config(log_loss_scale_to_tensorboard=True), grad_norm=0.5)
-    tb = state.tensorboard_logger.add_scalar
-    tb.assert_any_call("batch-size", 16, 2)  # micro 2 x dp 2 x 4 microbatches
-    tb.assert_any_call("batch-size vs samples", 16, 32)
-    tb.assert_any_call("grad-norm vs samples", 0.5, 32)
-    tb.assert_any_call("loss-scale", 1.0, 2)
-    state.wandb_logger.log.assert_any_call({"samples vs steps": 32}, 2)
-    state.comet_logger.log_metrics.assert_any_call({"lm loss": 2.0}, step=2)
-    assert "samples vs steps" not in str(state.comet_logger.log_metrics.call_args_list)
 
 
 def test_interval_line_averages_advanced_losses_and_counts_nans(patched):
@@ -321,18 +311,6 @@ def test_training_log_signature_is_upstreams():
         "memory_report",
     ):
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
-
-
-def test_metrics_writer_uses_each_sinks_call_shape():
-    tb, run, ml, comet = (mock.MagicMock() for _ in range(4))
-    writer = MetricsWriter(tb, run, ml, comet)
-    writer.write({"memory/pp-stage-0/a@b": torch.tensor(2.0)}, 7, sinks=("wandb", "mlflow"))
-    run.log.assert_called_once_with({"memory/pp-stage-0/a@b": 2.0}, 7)
-    ml.log_metrics.assert_called_once()
-    assert list(ml.log_metrics.call_args[0][0]) == ["memory/pp-stage-0/a_b"]
-    tb.add_scalar.assert_not_called()
-    comet.log_metrics.assert_not_called()
-    assert not MetricsWriter() and bool(MetricsWriter(comet=comet))
 
 
 def test_throughput_over_the_window(mocker):

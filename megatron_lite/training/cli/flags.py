@@ -213,6 +213,13 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--log-memory-to-tensorboard", "logger", "log_memory_to_tensorboard", "store_true", None),
     ("--log-memory-per-pp-stage", "logger", "log_memory_per_pp_stage", "store_true", None),
     ("--no-log-loss-scale-to-tensorboard", "logger", "log_loss_scale_to_tensorboard", "store_false", None),
+    (
+        "--log-validation-ppl-to-tensorboard",
+        "logger",
+        "log_validation_ppl_to_tensorboard",
+        "store_true",
+        None,
+    ),
     ("--wandb-project", "logger", "wandb_project", str, None),
     ("--wandb-exp-name", "logger", "wandb_exp_name", str, None),
     ("--wandb-save-dir", "logger", "wandb_save_dir", str, None),

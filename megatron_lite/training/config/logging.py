@@ -31,6 +31,8 @@ class LoggerConfig:
     """Unit of the logged runtime: seconds, minutes, hours or days."""
     log_world_size_to_tensorboard: bool = False
     """Write the world size to the loggers."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Write the validation perplexity to the loggers, beside the validation loss."""
     timing_log_level: Literal[-1, 0, 1, 2] = 0
     """Timers up to this level are started (0: iteration time only)."""
     timing_log_option: str = "minmax"

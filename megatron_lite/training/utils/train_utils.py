@@ -40,15 +40,17 @@ from megatron_lite.training.memory.report import (
     report_memory,
 )
 from megatron_lite.training.memory.saved_tensors import ACTIVATION_MEMORY
-from megatron_lite.training.utils.interval_log import (
+from megatron_lite.training.metrics import LOSSES, TFLOPS, TIMERS, MetricsWriter, StepMetrics
+from megatron_lite.training.metrics.console import (
     ADVANCED,
     SKIPPED,
     accumulate_losses,
     iteration_line,
+    step_time_line,
     timer_names,
 )
-from megatron_lite.training.utils.metrics_writer import MetricsWriter
-from megatron_lite.training.utils.moe_metrics import upstream_moe_logging
+from megatron_lite.training.metrics.moe import upstream_moe_logging
+from megatron_lite.training.metrics.timers import timer_metrics
 from megatron_lite.utils.common_utils import (
     get_world_size_safe,
     print_rank_0,
@@ -304,13 +306,16 @@ def training_log(
 ) -> bool:
     """Log one iteration to the console and every sink; returns the new ``report_memory_flag``.
 
+    One ``StepMetrics`` dict is built per call: the dashboards get its groups (training/metrics/sinks.py
+    writes each sink's way) and the console line is read from it.
+
     Call on every rank: the learning-rate, timer and memory reductions are collectives, gated only by
     config and iteration. ``loss_dict`` holds this step's losses already averaged over data-parallel
     ranks (empty off the last pipeline stage). ``memory_report``: this step's ``memory/*`` metrics if
     the caller already reduced them over the pipeline (our loop does); None computes them here.
     ``pg_collection`` defaults to the model's. Returns False once memory was reported after the
     second iteration since ``loaded_iteration`` (so it includes the optimizer state). ``moe_report``:
-    this step's MoE scalars and console text (training/utils/moe_metrics.py), already reduced; None
+    this step's MoE scalars and console text (training/metrics/moe.py), already reduced; None
     for a MoE model calls upstream's track_moe_metrics here (the auxiliary losses only).
     """
     lg, train_config, timers, train_state = (
@@ -322,7 +327,7 @@ def training_log(
     iteration = train_state.step
     writer = MetricsWriter.from_state(global_state)
     pg_collection = pg_collection or get_pg_collection(model)
-    loggers_exist = bool(writer)
+    metrics = StepMetrics(iteration, samples=train_state.consumed_train_samples)
 
     accumulate_losses(total_loss_dict, loss_dict, skipped_iter)
     timers_to_log = timer_names(lg.timing_log_level)
@@ -331,9 +336,10 @@ def training_log(
     # Ranks without trainable parameters have no learning rate: take the model-parallel max.
     learning_rate = reduce_max_stat_across_model_parallel_group(learning_rate, mp_group=pg_collection.mp)
     tb_step = iteration % lg.tensorboard_log_interval == 0
+    dashboards = bool(writer) and tb_step
 
-    if lg.log_timers_to_tensorboard and tb_step:
-        _write_timers(timers, timers_to_log, writer, iteration, total_iterations)
+    if lg.log_timers_to_tensorboard and tb_step:  # collective: one gather for every sink
+        metrics.add(timer_metrics(timers, timers_to_log, total_iterations), kind=TIMERS)
 
     # Memory: reduced over the pipeline on EVERY rank before the writer-gated block below (only the
     # last rank has loggers, while the peak usually lives on the first stage). The loop's own code
@@ -349,108 +355,83 @@ def training_log(
         )
 
     # MoE: collective on every rank, every iteration. The loop passes its own report (with the
-    # token counts); a caller of upstream's kind gets upstream's track_moe_metrics.
+    # token counts); a caller of upstream's kind gets upstream's track_moe_metrics, which writes
+    # into the step's metrics as if they were its TensorBoard writer.
     if moe_report is None and getattr(config.model, "num_moe_experts", None) is not None:
-        moe_report = (
-            {},
-            upstream_moe_logging(
-                track_moe_metrics,
-                config,
-                iteration,
-                writer,
-                total_loss_dict,
-                pg_collection,
-                get_num_microbatches(),
-            ),
+        moe_text = upstream_moe_logging(
+            track_moe_metrics,
+            config,
+            iteration,
+            metrics if writer else None,
+            total_loss_dict,
+            pg_collection,
+            get_num_microbatches(),
         )
+        moe_report = ({}, moe_text)
 
-    if loggers_exist and tb_step:
+    if dashboards:
         seq = seq_length if seq_length is not None else _seq_length(config)
         if lg.log_throughput_to_tensorboard:
-            writer.write(
+            metrics.add(
                 report_throughput(
                     iteration=iteration,
                     train_config=train_config,
                     seq_length=seq,
                     history_wct=history_wct,
                     window_size=lg.throughput_window_size,
-                ),
-                iteration,
+                )
             )
         if lg.log_memory_to_tensorboard and memory_report:
-            writer.write(memory_report, iteration)
+            metrics.add(memory_report)
         if moe_report:
-            writer.write(moe_report[0], iteration)
+            metrics.add(moe_report[0])
         if lg.log_runtime_to_tensorboard:
             start_time = getattr(global_state, "start_time", None) or time.time()
-            writer.write(
-                report_runtime(train_state, start_time, seq, train_config.train_iters, lg.runtime_time_unit),
-                iteration,
+            metrics.add(
+                report_runtime(train_state, start_time, seq, train_config.train_iters, lg.runtime_time_unit)
             )
         if lg.log_l2_norm_grad_to_tensorboard:
-            writer.write(report_l2_norm_grad(model), iteration)
-        samples = train_state.consumed_train_samples
-        writer.write({"samples vs steps": samples}, iteration, sinks=("wandb", "mlflow"))
-        if learning_rate is not None:
-            writer.write({"learning-rate": learning_rate}, iteration, samples=samples)
-        if config.optimizer.decoupled_lr is not None:
-            writer.write(
-                {"decoupled-learning-rate": decoupled_learning_rate}, iteration, sinks=("tensorboard",)
-            )
-        if train_state.skipped_train_samples > 0:
-            writer.write({"skipped-train-samples": train_state.skipped_train_samples}, iteration)
-        writer.write({"batch-size": batch_size}, iteration, samples=samples)
-        for key, value in loss_dict.items():
-            writer.write({key: value}, iteration, samples=samples, sinks=("tensorboard", "wandb"))
-        writer.write({k: float(v) for k, v in loss_dict.items()}, iteration, sinks=("mlflow", "comet"))
-        if lg.log_loss_scale_to_tensorboard:
-            writer.write({"loss-scale": loss_scale}, iteration, samples=samples)
-        if lg.log_world_size_to_tensorboard:
-            writer.write({"world-size": get_world_size_safe()}, iteration, samples=samples)
-        optional = {
-            "grad-norm": grad_norm,
-            "num-zeros": num_zeros_in_grad,
-            "params-norm": params_norm,
-            "max-attention-logit": log_max_attention_logit,
-        }
-        for key, value in optional.items():
-            if value is not None:
-                writer.write({key: value}, iteration, samples=samples)
+            metrics.add(report_l2_norm_grad(model))
+        metrics.add({"samples vs steps": train_state.consumed_train_samples})
+    # The step's scalars: the console line shows them; the dashboards on their interval, by flag.
+    metrics.add({"learning-rate": learning_rate}, vs_samples=True, dashboards=dashboards)
+    if config.optimizer.decoupled_lr is not None:
+        metrics.add({"decoupled-learning-rate": decoupled_learning_rate}, dashboards=dashboards)
+    if train_state.skipped_train_samples > 0:
+        metrics.add({"skipped-train-samples": train_state.skipped_train_samples}, dashboards=dashboards)
+    metrics.add({"batch-size": batch_size}, vs_samples=True, dashboards=dashboards)
+    metrics.add(loss_dict, vs_samples=True, kind=LOSSES, dashboards=dashboards)
+    show_loss_scale = dashboards and lg.log_loss_scale_to_tensorboard
+    metrics.add({"loss-scale": loss_scale}, vs_samples=True, dashboards=show_loss_scale)
+    if lg.log_world_size_to_tensorboard:
+        metrics.add({"world-size": get_world_size_safe()}, vs_samples=True, dashboards=dashboards)
+    for key, value in (
+        ("grad-norm", grad_norm),
+        ("num-zeros", num_zeros_in_grad),
+        ("params-norm", params_norm),
+        ("max-attention-logit", log_max_attention_logit),
+    ):
+        metrics.add({key: value}, vs_samples=True, dashboards=dashboards)
 
     if iteration % lg.log_interval == 0:
         elapsed = timers("interval-time").elapsed(barrier=True)
         per_iteration = elapsed / total_iterations
         per_gpu_tf = _interval_tflops_per_gpu(config, global_state, elapsed)
         if per_gpu_tf is not None:
-            print_rank_0(_step_time_line(per_iteration, per_gpu_tf, batch_size * _seq_length(config)))
-            if lg.log_throughput_to_tensorboard:
-                world = get_world_size_safe()
-                tflops = {"throughput/tflops/device": per_gpu_tf, "throughput/tflops": per_gpu_tf * world}
-                for key, value in tflops.items():
-                    writer.write({key: value}, iteration, sinks=("tensorboard", "wandb"))
-                mlflow_names = {
-                    "throughput/tflops_per_device": per_gpu_tf,
-                    "throughput/tflops": per_gpu_tf * world,
-                }
-                writer.write(mlflow_names, iteration, sinks=("mlflow",))
-                writer.write(tflops, iteration, sinks=("comet",))
-        if lg.log_timers_to_tensorboard:
-            writer.write({"iteration-time": per_iteration}, iteration)
-        line = iteration_line(
-            config,
-            global_state,
-            per_iteration,
-            per_gpu_tf if lg.log_throughput else None,
-            _energy_fields(global_state, writer, iteration, total_iterations, per_iteration),
-            learning_rate,
-            batch_size,
-            total_loss_dict,
-            loss_scale,
-            grad_norm,
-            num_zeros_in_grad,
-            params_norm,
-            log_max_attention_logit,
+            print_rank_0(step_time_line(per_iteration, per_gpu_tf, batch_size * _seq_length(config)))
+            metrics.add(
+                {
+                    "throughput/tflops/device": per_gpu_tf,
+                    "throughput/tflops": per_gpu_tf * get_world_size_safe(),
+                },
+                kind=TFLOPS,
+                dashboards=bool(writer) and lg.log_throughput_to_tensorboard,
+            )
+        metrics.add(
+            {"iteration-time": per_iteration}, dashboards=bool(writer) and lg.log_timers_to_tensorboard
         )
+        metrics.add(_energy_metrics(global_state, total_iterations, per_iteration), dashboards=bool(writer))
+        line = iteration_line(config, global_state, metrics, total_loss_dict, lg.log_throughput)
         print_rank_last(line + (moe_report[1] if moe_report else ""))
         if report_memory_flag:
             if torch.distributed.get_rank() == 0:
@@ -462,33 +443,8 @@ def training_log(
             if iteration > loaded_iteration + 1:
                 report_memory_flag = False
         timers.log(timers_to_log, normalizer=lg.log_interval)
+    writer.write_step(metrics)
     return report_memory_flag
-
-
-def _write_timers(timers, names, writer: MetricsWriter, iteration: int, normalizer) -> None:
-    """Timer maxima to every sink. Collective (the timers gather over ranks): call on every rank.
-    The samples are reset only by the last sink's write, so every sink sees the same values."""
-    backends = [
-        (getattr(timers, f"write_to_{sink}", None), logger)
-        for sink, logger in (("wandb", writer.wandb), ("mlflow", writer.mlflow), ("comet", writer.comet))
-    ]
-    backends = [(write, logger) for write, logger in backends if write is not None]
-    timers.write(names, writer.tensorboard, iteration, normalizer=normalizer, reset=not backends)
-    for index, (write, logger) in enumerate(backends):
-        write(names, logger, iteration, normalizer=normalizer, reset=index == len(backends) - 1)
-
-
-def _step_time_line(per_iteration: float, per_rank_tflops: float, tokens_per_step: int) -> str:
-    """Upstream's line on CUDA; on the CPU no GPU is used, so it says what is true there: tokens per
-    second and model TFLOP/s per rank."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return f"Step Time : {per_iteration:.2f}s GPU utilization: {per_rank_tflops:.1f}MODEL_TFLOP/s/GPU"
-    if not isinstance(tokens_per_step, (int, float)):  # a config without a sequence length (a stand-in)
-        return f"Step Time : {per_iteration:.2f}s model {per_rank_tflops:.3f} TFLOP/s per rank (CPU)"
-    return (
-        f"Step Time : {per_iteration:.2f}s throughput: {tokens_per_step / per_iteration:.0f} tokens/s, "
-        f"model {per_rank_tflops:.3f} TFLOP/s per rank (CPU)"
-    )
 
 
 def _seq_length(config) -> int:
@@ -514,12 +470,10 @@ def _interval_tflops_per_gpu(config, global_state, elapsed: float) -> float | No
     return max(so_far - previous, 0.0) / elapsed / get_world_size_safe() / 1e12
 
 
-def _energy_fields(global_state, writer: MetricsWriter, iteration, total_iterations, per_iteration) -> str:
-    """Energy and power per GPU over the interval, when an energy monitor runs; written to the sinks."""
+def _energy_metrics(global_state, total_iterations, per_iteration) -> dict:
+    """Energy and power per GPU over the interval, when an energy monitor runs."""
     monitor = getattr(global_state, "energy_monitor", None)
     if monitor is None:
-        return ""
+        return {}
     energy = (monitor.lap() / total_iterations) / get_world_size_safe()
-    power = energy / per_iteration
-    writer.write({"iter-energy/gpu": float(energy), "power/gpu": float(power)}, iteration)
-    return f" energy per GPU (J/iter/GPU): {energy:.1f} | power per GPU (W/GPU): {power:.1f} |"
+    return {"iter-energy/gpu": float(energy), "power/gpu": float(energy / per_iteration)}

@@ -76,6 +76,38 @@ def _train_recording_reports(rank, world, argv):
     return recorded, collectives
 
 
+@pytest.mark.parametrize("per_stage", [False, True], ids=["reduce", "per-stage-gather"])
+def test_logged_memory_is_the_max_of_every_stage_own_report(tmp_path, per_stage):
+    """The mission: every PP rank measures and reduces (one collective per logged step), the last
+    rank alone writes, and what it writes is the max of every stage's own report; 1F1B puts the
+    peak on stage 0."""
+    tb = tmp_path / "tb"
+    argv = [*UNIFORM, "--log-memory-to-tensorboard", "--tensorboard-dir", str(tb)]
+    if per_stage:
+        argv.append("--log-memory-per-pp-stage")
+    results = run_world(_train_recording_reports, PP, argv)
+    reports = [recorded for recorded, _ in results]  # reports[rank][step - 1]
+    assert all(len(r) == ITERS for r in reports)
+    assert all(collectives == [1] * ITERS for _, collectives in results)
+    assert len(glob.glob(str(tb / "events.out.tfevents.*"))) == 1
+    logged = scalars(tb)
+    names = list(reports[0][0])
+    assert "mem-max-activation-gigabytes" in names and "mem-max-rss-gigabytes" in names
+    for step in range(1, ITERS + 1):
+        for name in names:
+            expected = max(reports[rank][step - 1][name] for rank in range(PP))
+            assert logged[f"memory/{name}"][step] == pytest.approx(expected, rel=1e-6), (step, name)
+            if per_stage:
+                for stage in range(PP):
+                    own = reports[stage][step - 1][name]
+                    assert logged[f"memory/pp-stage-{stage}/{name}"][step] == pytest.approx(own, rel=1e-6)
+    # 1F1B keeps pp - i microbatches alive on stage i: stage 0 holds the peak, about twice stage 2's.
+    peaks = [reports[rank][-1]["mem-max-activation-gigabytes"] for rank in range(PP)]
+    assert peaks[0] == max(peaks) and 1.8 <= peaks[0] / peaks[2] <= 2.2, peaks
+    assert logged["memory/mem-max-activation-gigabytes"][ITERS] == pytest.approx(peaks[0])
+    assert logged["memory/peak-stage"][ITERS] == 0
+
+
 def _train_with_fake_cuda_stats(rank, world, argv):
     """pretrain() on this rank as if on CUDA: the allocator statistics are fakes that differ by rank."""
     import torch

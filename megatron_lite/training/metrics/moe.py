@@ -5,7 +5,6 @@ from __future__ import annotations
 from megatron_lite.core.transformer.moe.moe_layer import moe_layer_pattern
 from megatron_lite.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron_lite.core.utils import get_collective_device
-from megatron_lite.training.utils.metrics_writer import MetricsWriter
 
 
 def moe_loss_names(model_config) -> list[str]:
@@ -48,8 +47,9 @@ def upstream_moe_logging(
     track_moe_metrics, config, iteration, writer, total_loss_dict, pg_collection, num_microbatches: int
 ) -> str:
     """Upstream's call of ``track_moe_metrics`` (Megatron-Bridge's training_log; train_utils passes its
-    own binding, which upstream's tests patch): the losses the router configuration names, through our
-    writer to every sink; returns the console text. Collective on every rank."""
+    own binding, which upstream's tests patch): the losses the router configuration names, added
+    through ``writer`` (``add_scalar``: the step's metrics, which reach every sink; None on a rank
+    without sinks); returns the console text. Collective on every rank."""
     model = config.model
     balancing = getattr(model, "moe_router_load_balancing_type", "")
     # Upstream's substring tests: "seq_aux_loss" also names "load_balancing_loss".
@@ -66,7 +66,7 @@ def upstream_moe_logging(
     return track_moe_metrics(
         loss_scale=1 / num_microbatches,
         iteration=iteration,
-        writer=_ScalarWriter(writer) if writer else None,
+        writer=writer,
         wandb_writer=None,  # the writer above reaches W&B too
         total_loss_dict=total_loss_dict,
         per_layer_logging=getattr(model, "moe_per_layer_logging", False),
@@ -80,13 +80,3 @@ def upstream_moe_logging(
             pg_collection, "tp_cp" if getattr(model, "sequence_parallel", False) else "cp", None
         ),
     )
-
-
-class _ScalarWriter:
-    """``add_scalar`` (what track_moe_metrics calls, TensorBoard's) onto our writer's every sink."""
-
-    def __init__(self, writer: MetricsWriter):
-        self.writer = writer
-
-    def add_scalar(self, name: str, value, step: int) -> None:
-        self.writer.write({name: value}, step)
