@@ -98,6 +98,12 @@ def build_data_iterators(
         return its[0] if num_chunks == 1 else (its if its[0] is not None else None)
 
     train = iterators(train_ds, ts.consumed_train_samples, t.micro_batch_size)
+    if train is None and train_ds is not None and ts.step < t.train_iters:
+        # A resumed run whose data is used up (another global batch size than the saving run's).
+        raise checkpointing.CheckpointError(
+            f"--train-iters {t.train_iters}: the checkpoint's run consumed {ts.consumed_train_samples} training "
+            f"samples, all of the {len(train_ds)} this run draws; raise --train-iters"
+        )
     valid = iterators(valid_ds, ts.consumed_valid_samples, v.eval_micro_batch_size or t.micro_batch_size)
     return train, valid
 

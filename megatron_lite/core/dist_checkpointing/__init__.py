@@ -8,6 +8,7 @@ and writes (and reads ``.metadata`` without running code), ``serialization`` sav
 from megatron_lite.core.dist_checkpointing.mapping import ShardedTensor
 from megatron_lite.core.dist_checkpointing.serialization import (
     CheckpointingException,
+    check_data_files,
     load,
     load_metadata,
     missing_or_mismatched,
@@ -18,6 +19,7 @@ from megatron_lite.core.dist_checkpointing.serialization import (
 __all__ = [
     "CheckpointingException",
     "ShardedTensor",
+    "check_data_files",
     "load",
     "load_metadata",
     "missing_or_mismatched",

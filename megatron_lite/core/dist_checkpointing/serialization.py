@@ -9,9 +9,12 @@ directory a checkpoint). ``save`` runs the three in a row.
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from megatron_lite.core.dist_checkpointing.mapping import ShardedTensor
@@ -107,8 +110,40 @@ def missing_or_mismatched(pieces: list[ShardedTensor], metadata: Metadata) -> li
     return list(dict.fromkeys(problems))
 
 
+def check_data_files(checkpoint_dir: str, metadata: Metadata) -> None:
+    """Every data file ``metadata`` names is there and long enough for what it places in it: a missing
+    or cut ``.distcp`` is one CheckpointingException naming it, before DCP's read would fail inside its
+    collective (with a traceback per rank)."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        try:
+            have = os.path.getsize(os.path.join(checkpoint_dir, name))
+        except OSError:
+            raise CheckpointingException(f"{name} is missing; the checkpoint is damaged") from None
+        if have < size:
+            raise CheckpointingException(
+                f"{name} is cut short ({have} of {size} bytes); the checkpoint is damaged"
+            )
+
+
+def _first_failure(err: CheckpointException) -> str:
+    """DCP's exception (a BaseException, one traceback per rank) as the first rank's error, one line."""
+    for exc, _trace in err.failures.values():
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return "an unknown failure"
+
+
 def load(pieces: list[ShardedTensor], checkpoint_dir: str, metadata: Metadata | None = None) -> None:
     """Read every piece in place. Collective over the world; the caller has checked
-    ``missing_or_mismatched`` first (against ``metadata``, reused here when given)."""
+    ``missing_or_mismatched`` and ``check_data_files`` first, on every rank before any collective
+    (against ``metadata``, reused here when given). DCP's own failure is a CheckpointingException
+    (one line)."""
     reader = SafeFileSystemReader(checkpoint_dir, metadata)
-    dcp.load({}, storage_reader=reader, planner=ShardedLoadPlanner(pieces))
+    try:
+        dcp.load({}, storage_reader=reader, planner=ShardedLoadPlanner(pieces))
+    except CheckpointException as err:
+        raise CheckpointingException(_first_failure(err)) from None

@@ -74,6 +74,8 @@ def load_common_state(optimizer, common: dict) -> None:
     # for, so ranks (and layouts) may hold different numbers of groups.
     saved_groups = {g.get("wd_mult"): g for g in common["param_groups"]}
     for group in optimizer.optimizer.param_groups:
-        group.update(saved_groups.get(group.get("wd_mult"), {}))
+        # Only the hyper-parameters this optimizer has (a checkpoint may carry megatron-core's keys too).
+        saved = saved_groups.get(group.get("wd_mult"), {})
+        group.update({k: v for k, v in saved.items() if k in group and k != "params"})
     for state in optimizer.optimizer.state.values():
         state["step"] = torch.tensor(float(common["step"]), dtype=torch.float32)

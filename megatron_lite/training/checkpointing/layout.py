@@ -9,6 +9,7 @@ import json
 import os
 
 from megatron_lite.core import parallel_state
+from megatron_lite.training.checkpointing import megatron_lm
 from megatron_lite.training.checkpointing.distrib_optim import get_distributed_optimizer_checkpoint_name
 from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
 
@@ -137,13 +138,40 @@ def expert_layout_differs(saved: dict, current: dict) -> bool:
     return recorded and _expert_sizes(saved) != _expert_sizes(current)
 
 
+def read_shard(path: str, root: str, flag: str = "--load", mmap: bool = False) -> dict:
+    """A ``model_optim_rng.pt``, never running code from it; one written by Megatron-LM comes back
+    with what our loader reads (megatron_lm.as_megatron_lite)."""
+    payload = load_checkpoint_file(path, root, mmap=mmap)
+    return (
+        megatron_lm.as_megatron_lite(payload, f"{flag} {root}", legacy=True)
+        if megatron_lm.is_megatron_lm(payload)
+        else payload
+    )
+
+
+def _megatron_lm_layout(root: str, iteration: int, flag: str) -> dict | None:
+    """The layout of a Megatron-LM ``torch``-format iteration (no metadata.json: its rank-0 shard's
+    ``args`` say it); None when the directory holds no such shard."""
+    directory = os.path.join(root, f"iter_{iteration:07d}")
+    for name in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000"):  # Megatron-LM's own probe order
+        path = os.path.join(directory, name, "model_optim_rng.pt")
+        if os.path.exists(path):
+            payload = read_shard(path, root, flag, mmap=True)
+            return payload.get("parallel_layout") if payload.get("megatron_lm") else None
+    return None
+
+
 def read_metadata(root: str, iteration: int, flag: str = "--load") -> dict:
-    """``iter_*/metadata.json``: the saving run's parallel layout ({} when it holds no object)."""
+    """``iter_*/metadata.json``: the saving run's parallel layout ({} when it holds no object); for
+    Megatron-LM's ``torch`` format, which writes none, the layout its ``args`` record."""
     path = os.path.join(root, f"iter_{iteration:07d}", METADATA)
     try:
         with open(path) as f:
             saved = json.load(f)
     except FileNotFoundError:
+        layout = _megatron_lm_layout(root, iteration, flag)
+        if layout is not None:
+            return layout
         raise CheckpointError(f"{flag} {root}: iteration {iteration} is incomplete (no {METADATA})") from None
     except (OSError, ValueError):
         raise CheckpointError(f"{flag} {root}: iteration {iteration} has an unreadable {METADATA}") from None
@@ -158,11 +186,13 @@ def is_distributed_checkpoint(root: str, iteration: int, flag: str = "--load") -
 
 def read_common(root: str, iteration: int, flag: str = "--load") -> dict:
     """A ``torch_dist`` checkpoint's ``common.pt`` (iteration, config, layout, schedule, RNG, ...),
-    read without running code from it."""
+    read without running code from it; Megatron-LM's as megatron_lm.as_megatron_lite gives it."""
     path = os.path.join(root, f"iter_{iteration:07d}", COMMON)
     if not os.path.exists(path):
         raise CheckpointError(f"{flag} {root}: iteration {iteration} is incomplete (no {COMMON})")
     common = load_checkpoint_file(path, root, legacy=False)
+    if megatron_lm.is_megatron_lm(common):
+        common = megatron_lm.as_megatron_lite(common, f"{flag} {root}", legacy=False)
     if not isinstance(common, dict) or not isinstance(common.get("config"), dict):
         raise CheckpointError(f"{flag} {root}: iteration {iteration}: {COMMON} is not a megatron_lite one")
     return common

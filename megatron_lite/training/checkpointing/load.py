@@ -7,6 +7,7 @@ import os
 
 import torch.distributed as dist
 
+from megatron_lite.training.checkpointing import megatron_lm
 from megatron_lite.training.checkpointing.agreement import agree
 from megatron_lite.training.checkpointing.compat import (
     checkpoint_model_error,
@@ -19,6 +20,7 @@ from megatron_lite.training.checkpointing.distrib_optim import (
     uses_distributed_optimizer,
 )
 from megatron_lite.training.checkpointing.layout import (
+    TRACKER,
     check_layout,
     expert_layout_differs,
     is_distributed_checkpoint,
@@ -30,8 +32,10 @@ from megatron_lite.training.checkpointing.layout import (
     my_optimizer_shard,
     parallel_layout,
     read_metadata,
+    read_shard,
     read_tracker,
 )
+from megatron_lite.training.checkpointing.megatron_lm_optimizer import apply_by_name
 from megatron_lite.training.checkpointing.reshard import (
     describe_layout,
     read_saved_config,
@@ -39,8 +43,8 @@ from megatron_lite.training.checkpointing.reshard import (
     split_differs,
 )
 from megatron_lite.training.checkpointing.rng import set_rng_state
-from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
-from megatron_lite.training.checkpointing.torch_dist import load_distributed
+from megatron_lite.training.checkpointing.safety import CheckpointError
+from megatron_lite.training.checkpointing.torch_dist import MEGATRON_LM_RNG, load_distributed, reseed
 
 
 def load_model_state(model, payload: dict) -> None:
@@ -65,7 +69,7 @@ def _load_shard(root: str, iteration: int) -> dict:
         raise CheckpointError(
             f"--load {root}: iteration {iteration} has no shard {shard}; the checkpoint is incomplete"
         )
-    payload = load_checkpoint_file(path, root)
+    payload = read_shard(path, root)
     if not isinstance(payload, dict) or not any(k == "model" or k.startswith("model0") for k in payload):
         raise CheckpointError(f"--load {root}: {shard} is not a megatron_lite checkpoint")
     if layout_differs(payload.get("parallel_layout", {}), parallel_layout()):
@@ -98,6 +102,14 @@ def _read_weights(root: str, iteration: int, finetune: bool, model, model_cfg):
         f"to {describe_layout(model_cfg.tensor_model_parallel_size, model_cfg)}"
     )
     return resharded_state(root, iteration, saved_config, model, model_cfg), None, note
+
+
+def _megatron_lm_optimizer_error(root: str, payload: dict, optimizer) -> str | None:
+    """Why this rank cannot resume a Megatron-LM ``torch``-format shard's optimizer state, or None."""
+    reason = payload["megatron_lm"]["optimizer_error"]
+    if reason is None and uses_distributed_optimizer(optimizer):
+        reason = "into --use-distributed-optimizer, whose shards are not read from it yet"
+    return megatron_lm.optimizer_error(f"--load {root}", reason)
 
 
 def _is_moe(root: str, iteration: int) -> bool:
@@ -141,9 +153,10 @@ def resolve_checkpoint(cfg) -> tuple[str | None, int | None, bool]:
         return cfg.load, iteration, cfg.finetune
     iteration = read_tracker(cfg.pretrained_checkpoint, flag="--pretrained-checkpoint")
     if iteration is None:
+        resume = f", and --load {cfg.load} none to resume" if cfg.load else ""
         raise CheckpointError(
-            f"--pretrained-checkpoint {cfg.pretrained_checkpoint}: holds no checkpoint, "
-            f"and --load {cfg.load} none to resume"
+            f"--pretrained-checkpoint {cfg.pretrained_checkpoint}: holds no checkpoint "
+            f"(no {TRACKER} naming an iteration){resume}"
         )
     return cfg.pretrained_checkpoint, iteration, True
 
@@ -163,7 +176,11 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
             payload, error, reshard_note = _read_weights(root, iteration, finetune, model, state.cfg.model)
             if error is None and cfg.load_optim and not finetune:
                 optimizer_shard = my_optimizer_shard(root, iteration)
-                error = optimizer_format_error(root, iteration, payload, optimizer, optimizer_shard)
+                error = (
+                    _megatron_lm_optimizer_error(root, payload, optimizer)
+                    if payload.get("megatron_lm")
+                    else optimizer_format_error(root, iteration, payload, optimizer, optimizer_shard)
+                )
                 if error is None and uses_distributed_optimizer(optimizer):
                     param_state = read_distributed_optimizer(root, optimizer_shard, optimizer)
                 saved_schedule = payload.get("opt_param_scheduler")
@@ -215,7 +232,11 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
         load_model_state(model, payload)
         if not finetune:
             state.train_state.load_state_dict(payload["train_state"])
-            if cfg.load_optim:
+            if cfg.load_optim and payload.get("megatron_lm"):
+                optimizer.reload_model_params(None)  # fp32 main weights from the weights just loaded
+                apply_by_name(optimizer, model_chunks(model), payload["megatron_lm"]["optimizer_by_name"])
+                scheduler.load_state_dict(payload["opt_param_scheduler"])
+            elif cfg.load_optim:
                 optimizer.load_state_dict(payload["optimizer"])
                 if param_state is not None:
                     # Offsets skip the bucket padding: any data-parallel size or bucketing takes its shard.
@@ -224,7 +245,9 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
                     # Saved by an fp32 run: its weights were its main weights, to the bit.
                     optimizer.reload_model_params(payload)
                 scheduler.load_state_dict(payload["opt_param_scheduler"])
-            if cfg.load_rng:
+            if cfg.load_rng and payload["rng_state"] is None:  # Megatron-LM's: not carried
+                reseed(MEGATRON_LM_RNG, state.cfg.rng.seed + iteration)
+            elif cfg.load_rng:
                 set_rng_state(payload["rng_state"])
         if finetune or not cfg.load_optim:
             # The fp32 main parameters were copied from the weights before these were loaded.

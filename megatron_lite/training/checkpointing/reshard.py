@@ -33,8 +33,9 @@ from megatron_lite.training.checkpointing.layout import (
     model_keys,
     read_common,
     read_metadata,
+    read_shard,
 )
-from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
+from megatron_lite.training.checkpointing.safety import CheckpointError
 
 _TIED_SOURCE = "embedding.word_embeddings.weight"
 
@@ -65,7 +66,7 @@ def read_saved_config(root: str, iteration: int) -> dict:
         raise CheckpointError(
             f"--load {root}: iteration {iteration} has no shard {shard}; the checkpoint is incomplete"
         )
-    payload = load_checkpoint_file(path, root, mmap=True)
+    payload = read_shard(path, root, mmap=True)
     config = payload.get("config") if isinstance(payload, dict) else None
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(
@@ -126,7 +127,7 @@ def _stage_shards(root: str, iteration: int, tp_size: int, pp_rank: int, pp_size
             raise CheckpointError(
                 f"--load {root}: iteration {iteration} has no shard {shard}; the checkpoint is incomplete"
             )
-        shards.append(load_checkpoint_file(path, root, mmap=True))
+        shards.append(read_shard(path, root, mmap=True))
     return shards
 
 

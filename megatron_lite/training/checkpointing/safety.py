@@ -2,9 +2,11 @@
 
 ``torch.load(weights_only=True)`` rebuilds tensors, containers and numbers and refuses every other
 global before calling it. megatron_lite writes nothing else (``plain`` turns the config's callables
-into their names and the NumPy RNG state into a tensor), so a current checkpoint loads with torch's
-own allowlist. Checkpoints written before that held a few more objects; ``LEGACY_GLOBALS`` allows
-exactly those, and only while one of our files is being read. Anything else is refused with one line
+into their names and the NumPy RNG state into a tensor) but, in a ``torch_dist`` checkpoint's
+``common.pt``, Megatron-LM's ``args`` (an ``argparse.Namespace``, so Megatron-LM can resume it), which
+reads back as plain data like everything Megatron-LM writes (megatron_lm_pickles.py). Checkpoints
+written before that held a few more objects; ``LEGACY_GLOBALS`` allows exactly those, and only while
+one of our files is being read. Anything else is refused with one line
 naming the file and the type; nothing in the file has run by then.
 """
 
@@ -27,6 +29,7 @@ from megatron_lite.core.activations import squared_relu
 from megatron_lite.core.transformer.enums import LayerType
 from megatron_lite.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron_lite.core.utils import _normal_init
+from megatron_lite.training.checkpointing.megatron_lm_pickles import MEGATRON_LM_GLOBALS
 
 
 class CheckpointError(RuntimeError):
@@ -43,12 +46,14 @@ def _numpy_reconstruct():
 # --pipeline-model-parallel-layout's object. Rebuilding any of them calls no function but a constructor;
 # the functions themselves are only referenced, never called (tests/training/checkpointing/test_checkpoint_safety.py walks the
 # flags that put objects into the config).
-LEGACY_GLOBALS = [
+NUMPY_GLOBALS = [
     _numpy_reconstruct(),
     (_numpy_reconstruct(), "numpy.core.multiarray._reconstruct"),
     np.ndarray,
     np.dtype,
     type(np.dtype(np.uint32)),
+]
+LEGACY_GLOBALS = NUMPY_GLOBALS + [
     functools.partial,
     _normal_init,
     F.gelu,
@@ -93,7 +98,10 @@ def plain(value):
 def _disallowed_globals(path: str, err: Exception) -> str | None:
     """The globals weights_only refused, read from the file's pickle opcodes (nothing is called), or
     from the unpickler's message; None when it refused something else (a corrupt or foreign pickle)."""
-    allowed = {g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}" for g in LEGACY_GLOBALS}
+    allowed = {
+        g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}"
+        for g in LEGACY_GLOBALS + MEGATRON_LM_GLOBALS
+    }
     try:
         unsafe = [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(path) if n not in allowed]
     except Exception:  # a legacy (non-zip) file: the unpickler's message names it
@@ -113,7 +121,8 @@ def load_checkpoint_file(path: str, root: str, legacy: bool = True, mmap: bool =
     """``torch.load`` of one of our checkpoint files, never running code from it.
 
     ``legacy``: also allow what older megatron_lite versions wrote into this kind of file
-    (LEGACY_GLOBALS; only model_optim_rng.pt ever held them). ``mmap``: map the tensors' storages
+    (LEGACY_GLOBALS; only model_optim_rng.pt ever held them). What Megatron-LM writes into its own
+    checkpoints is always allowed, rebuilt as plain data (megatron_lm_pickles.py). ``mmap``: map the tensors' storages
     instead of reading them, so that a caller taking a few tensors (or only the config) of a big
     shard reads only those pages (a file of torch's older, non-zip format is read whole). Raises
     CheckpointError (one line, naming ``path`` relative to ``root``) for a file that holds a type
@@ -121,7 +130,9 @@ def load_checkpoint_file(path: str, root: str, legacy: bool = True, mmap: bool =
     """
     shard = os.path.relpath(path, root)
     try:
-        with torch.serialization.safe_globals(LEGACY_GLOBALS if legacy else []), warnings.catch_warnings():
+        # Megatron-LM's own allowlist has NumPy's arrays too (its RNG states).
+        allowed = (LEGACY_GLOBALS if legacy else NUMPY_GLOBALS) + MEGATRON_LM_GLOBALS
+        with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's note on pickle protocols: the refusal says it all
             mmap = mmap and zipfile.is_zipfile(path)  # torch maps only its zip format
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -137,8 +148,8 @@ def load_checkpoint_file(path: str, root: str, legacy: bool = True, mmap: bool =
                 "was not written by megatron_lite"
             ) from None
         raise CheckpointError(
-            f"--load {root}: refusing {shard}: it holds {disallowed}, which megatron_lite never writes and "
-            "loading could run code; nothing in it was run"
+            f"--load {root}: refusing {shard}: it holds {disallowed}, which neither megatron_lite nor "
+            "Megatron-LM writes and loading could run code; nothing in it was run"
         ) from None
     except Exception as err:  # torch raises many types for truncated or garbage files
         raise CheckpointError(

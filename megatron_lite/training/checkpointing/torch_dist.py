@@ -4,7 +4,8 @@
 its global name, shape and each piece's offsets: ``core.models.gpt.sharded_state_dict`` for the
 weights, ``core.optimizer.sharded_state`` for the optimizer in model space), ``common.pt`` (rank 0:
 iteration, config, layout, scheduler, train state, the optimizer's step and hyper-parameters, every
-rank's RNG state) and megatron-core's ``metadata.json`` (``sharded_backend: torch_dist``). It is
+rank's RNG state; and what Megatron-LM's load reads besides, ``megatron_lm_out``) and megatron-core's
+``metadata.json`` (``sharded_backend: torch_dist``). It is
 written into a temporary directory and committed like the legacy format (``commit``); with
 ``--async-save`` the tensors are written in the background (``async_save``).
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_lite.core.dist_checkpointing import (
     CheckpointingException,
+    check_data_files,
     load,
     load_metadata,
     missing_or_mismatched,
@@ -32,12 +34,14 @@ from megatron_lite.core.optimizer.sharded_state import (
     common_state,
     load_common_state,
 )
+from megatron_lite.training.checkpointing import megatron_lm
 from megatron_lite.training.checkpointing.agreement import agree
 from megatron_lite.training.checkpointing.async_save import async_writer, finalize_async_save, finish_save
 from megatron_lite.training.checkpointing.commit import begin_checkpoint, end_checkpoint, save_error
 from megatron_lite.training.checkpointing.compat import resharded_model_error, saved_split
 from megatron_lite.training.checkpointing.distrib_optim import uses_distributed_optimizer
 from megatron_lite.training.checkpointing.layout import CHECKPOINT_VERSION, COMMON, model_chunks, read_common
+from megatron_lite.training.checkpointing.megatron_lm_out import megatron_lm_args, megatron_lm_optimizer
 from megatron_lite.training.checkpointing.reshard import describe_layout
 from megatron_lite.training.checkpointing.rng import rng_state, set_rng_state
 from megatron_lite.training.checkpointing.safety import CheckpointError, plain
@@ -56,19 +60,29 @@ SHARDED_BACKEND = {
 def _common(state, model, optimizer, scheduler, rngs: list) -> dict:
     # Lower-precision weights: the fp32 main parameters are saved beside them (the same on every rank).
     has_copies = any(p.dtype != torch.float32 for c in model_chunks(model) for p in c.parameters())
+    layout = layout_record(state.cfg.model)
     return {
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": state.train_state.step,
         "config": plain(state.cfg),
-        "parallel_layout": layout_record(state.cfg.model),
+        "parallel_layout": layout,
         "train_state": state.train_state.state_dict(),
         "opt_param_scheduler": scheduler.state_dict(),
-        "optimizer": {
-            **common_state(optimizer),
-            "use_distributed_optimizer": uses_distributed_optimizer(optimizer),
-            "fp32_param": has_copies,
-        },
+        "optimizer": megatron_lm_optimizer(
+            {
+                **common_state(optimizer),
+                "use_distributed_optimizer": uses_distributed_optimizer(optimizer),
+                "fp32_param": has_copies,
+            },
+            state.cfg.optimizer.lr,
+            state.cfg.optimizer.min_lr,
+        ),
         "rng_state": rngs,
+        # What Megatron-LM's load_checkpoint reads besides (megatron_lm_out.py).
+        "args": megatron_lm_args(
+            state.cfg, state.train_state, dist.get_world_size(), layout["data_parallel_size"]
+        ),
+        "num_floating_point_operations_so_far": float(state.train_state.floating_point_operations_so_far),
     }
 
 
@@ -162,6 +176,7 @@ def load_distributed_weights(model, model_cfg, root: str, iteration: int, flag: 
     error, metadata, pieces = None, None, sharded_pieces(model, None, model_cfg, with_optimizer=False)
     try:
         metadata = load_metadata(_iteration_dir(root, iteration))
+        check_data_files(_iteration_dir(root, iteration), metadata)
         error = _fit_error(pieces, metadata, root, iteration, flag)
     except Exception as err:
         error = _unreadable(flag, root, iteration, err)
@@ -180,6 +195,8 @@ def load_distributed(state, model, optimizer, scheduler, root: str, iteration: i
     try:
         common = read_common(root, iteration)
         error = resharded_model_error(root, common["config"], model_cfg)
+        if error is None and with_optimizer and common.get("megatron_lm"):  # Megatron-LM's optimizer state
+            error = megatron_lm.optimizer_error(f"--load {root}", common["megatron_lm"]["optimizer_error"])
         if error is None and with_optimizer:
             mismatch = scheduler.checkpoint_mismatch(common["opt_param_scheduler"])
             error = mismatch and f"--load {root}: iteration {iteration}: {mismatch}"
@@ -198,6 +215,7 @@ def load_distributed(state, model, optimizer, scheduler, root: str, iteration: i
                 fp32_weights_from=FP32_PARAM if fp32_saved and with_optimizer else "",
             )
             metadata = load_metadata(_iteration_dir(root, iteration))
+            check_data_files(_iteration_dir(root, iteration), metadata)  # a missing or cut .distcp
             error = _fit_error(pieces, metadata, root, iteration)
     except CheckpointError as err:
         error = str(err)
@@ -236,14 +254,21 @@ def _experts(layout: dict, shown: bool) -> str:
     return f" ep={ep} etp={layout.get('expert_tensor_parallel_size', layout['tensor_model_parallel_size'])}"
 
 
-def _restore_rng(rngs: list, same_layout: bool, seed: int) -> None:
-    if same_layout:
+def _restore_rng(rngs: list | None, same_layout: bool, seed: int) -> None:
+    if rngs is not None and same_layout:
         set_rng_state(rngs[dist.get_rank()])
         return
+    why = "per rank and do not carry to another layout" if rngs is not None else MEGATRON_LM_RNG
+    reseed(why, seed)
+
+
+MEGATRON_LM_RNG = (
+    "Megatron-LM's (its CUDA generators' and per tensor-parallel rank), which megatron_lite does not carry"
+)
+
+
+def reseed(why: str, seed: int) -> None:
+    """Seed every generator from ``seed`` (--seed + iteration), saying why the checkpoint's states are not used."""
     if dist.get_rank() == 0:
-        print(
-            f" random generator states are per rank and do not carry to another layout; "
-            f"reseeding from --seed + iteration ({seed})",
-            flush=True,
-        )
+        print(f" random generator states are {why}; reseeding from --seed + iteration ({seed})", flush=True)
     seed_rank_generators(seed)

@@ -11,10 +11,11 @@ from megatron_lite.training.checkpointing.layout import (
     is_distributed_checkpoint,
     read_common,
     read_metadata,
+    read_shard,
     read_tracker,
 )
 from megatron_lite.training.checkpointing.load import load_model_state
-from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
+from megatron_lite.training.checkpointing.safety import CheckpointError
 from megatron_lite.training.checkpointing.torch_dist import load_distributed_weights
 from megatron_lite.training.checkpointing.weights_only import save_model_weights
 
@@ -100,7 +101,7 @@ def _load_legacy_shard(bridge, megatron_path: str, iteration: int) -> list:
         parallel_state.get_pipeline_model_parallel_world_size(),
     )
     try:
-        payload = load_checkpoint_file(shard, megatron_path, mmap=True)
+        payload = read_shard(shard, megatron_path, flag="--megatron-path", mmap=True)
     except FileNotFoundError:
         raise BridgeError(f"--megatron-path {megatron_path}: iteration {iteration} has no {shard}") from None
     except CheckpointError as err:
