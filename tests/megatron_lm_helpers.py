@@ -56,6 +56,14 @@ def megatron_lm_rng_state() -> list[dict]:
     ]
 
 
+def track_latest(root: str, iteration: int) -> None:
+    """Megatron-LM's tracker file naming ``iteration`` (rank 0 writes it), then every rank waits for it."""
+    if dist.get_rank() == 0:
+        with open(f"{root}/latest_checkpointed_iteration.txt", "w") as f:
+            f.write(str(iteration))
+    dist.barrier()
+
+
 def megatron_lm_schedule() -> dict:
     return dict(max_lr=3e-4, lr_warmup_steps=16, num_steps=112, lr_decay_style="cosine", lr_decay_steps=800)
 
@@ -98,6 +106,16 @@ def mcore_mixtral():
     )
     randomize(model, lambda name, _: ".local_experts." in name, dist.get_rank())
     return model
+
+
+# SMALL_LLAMA (mcore_llama) as our flags.
+LLAMA_FLAGS = (
+    "--num-layers 2 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 8 --group-query-attention "
+    "--num-query-groups 4 --kv-channels 8 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
+    "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights "
+    "--vocab-size 256 --max-position-embeddings 16 --hidden-dropout 0 --attention-dropout 0 "
+    "--tensor-model-parallel-size 2"
+).split()
 
 
 TRAIN = "--micro-batch-size 1 --global-batch-size 2 --seq-length 16 --train-iters 1 --lr 0 --min-lr 0".split()

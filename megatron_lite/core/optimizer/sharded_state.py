@@ -1,7 +1,8 @@
 """The optimizer's part of a ``torch_dist`` checkpoint, in model space (megatron-core's fully
 reshardable form): for every parameter, ``optimizer.state.exp_avg.<key>``,
 ``optimizer.state.exp_avg_sq.<key>`` and, where the weights are kept in lower precision,
-``optimizer.state.fp32_param.<key>``, each laid out like the parameter's own global tensor.
+``optimizer.state.fp32_param.<key>`` (``optimizer.state.param.<key>`` for every parameter with the
+distributed optimizer, as megatron-core's), each laid out like the parameter's own global tensor.
 
 The distributed optimizer's shard of a parameter (a flat range of it) becomes up to three rectangles
 per slab of that tensor, so a load may use another data-parallel size, another TP / PP layout, or no
@@ -17,6 +18,10 @@ from megatron_lite.core.dist_checkpointing.mapping import ShardedTensor, flat_ra
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FP32_PARAM = "optimizer.state.fp32_param."
+# megatron-core's DistributedOptimizer saves the fp32 main parameters of every parameter (fp32
+# weights' too) and, in its fully reshardable layout (Megatron-LM's --dist-ckpt-optim-fully-reshardable),
+# names them so; the moments keep their names.
+DISTRIBUTED_FP32_PARAM = "optimizer.state.param."
 
 
 def _ranges(optimizer):
@@ -48,12 +53,19 @@ def common_state(optimizer) -> dict:
 
 
 def optimizer_pieces(
-    optimizer, placement: dict, *, fp32_from: str | None = FP32_PARAM, moments: bool = True
+    optimizer,
+    placement: dict,
+    *,
+    fp32_from: str | None = FP32_PARAM,
+    moments: bool = True,
+    every_fp32: bool = False,
 ) -> list[ShardedTensor]:
     """This rank's optimizer tensors as pieces of the global ones. ``placement``:
     ``{param: (slabs, replica_id)}``. ``fp32_from``: the prefix of the fp32 main parameters' tensors
     (``""``: the model's own, for a checkpoint that has none); None leaves them out. ``moments``
-    False: the fp32 main parameters only (``--load-main-params-from-ckpt``)."""
+    False: the fp32 main parameters only (``--load-main-params-from-ckpt``). ``every_fp32``: those of
+    fp32 weights too, which are the weights themselves (the distributed optimizer's save: megatron-core's
+    layout of it holds one for every parameter)."""
     step = _step(optimizer)
     pieces = []
     for param, start, main, is_copy in _ranges(optimizer):
@@ -63,7 +75,7 @@ def optimizer_pieces(
         for k in MOMENTS if moments else ():
             flat = _state(optimizer, main, step)[k].view(-1)
             pieces += flat_range_pieces(slabs, param.shape, flat, start, replica, f"optimizer.state.{k}.")
-        if is_copy and fp32_from is not None:
+        if (is_copy or every_fp32) and fp32_from is not None:
             pieces += flat_range_pieces(slabs, param.shape, main.detach().view(-1), start, replica, fp32_from)
     return pieces
 

@@ -18,13 +18,19 @@ state under its name; the saved groups' sizes must agree with it, or the state i
 The step: per parameter for torch's Adam (``state.common_step`` in ``torch_dist``), per param group
 for Transformer Engine's and Apex's FusedAdam, which Megatron-LM uses where it is installed.
 
-The distributed optimizer's layouts (``distrib_optim.pt``; ``dp_reshardable`` and the other sharding
-types of ``torch_dist``) are Megatron-LM's own: refused, with the reason.
+The distributed optimizer's ``torch_dist`` state in model space (megatron-core's
+``fully_sharded_model_space``, the ``fully_reshardable`` Megatron-LM saves with
+``--dist-ckpt-optim-fully-reshardable``) is the same tensors, its common part the inner optimizer's
+param groups (the step in each). Its bucket-space layouts (``distrib_optim.pt``, ``dp_reshardable``,
+Megatron-LM's default) are laid out by megatron-core's gradient buffers, which Megatron-LM itself
+cannot reshard: refused, with the reason.
 """
 
 from __future__ import annotations
 
 import torch
+
+from megatron_lite.core.optimizer.sharded_state import DISTRIBUTED_FP32_PARAM, FP32_PARAM
 
 # A torch param group's hyper-parameters that ours has too (Megatron-LM's groups add its own keys).
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "wd_mult", "lr_mult")
@@ -47,25 +53,48 @@ def _group_step(groups: list) -> float:
     return max((_step(g.get("step", 0)) for g in groups if isinstance(g, dict)), default=0.0)
 
 
+# megatron-core's distributed optimizer in model space (``torch_dist``): the sharding types whose
+# tensors are laid out like the parameters, and the name each gives the fp32 main weights.
+MODEL_SPACE = {"fully_sharded_model_space": FP32_PARAM, "fully_reshardable": DISTRIBUTED_FP32_PARAM}
+
+
 def common(saved) -> tuple[dict | None, str | None]:
     """A ``torch_dist`` common state's optimizer part as ours (``common_state``'s form, ``fp32_param``
-    saying whether fp32 main weights are saved): ``(state, None)``, or ``(None, why not)``."""
+    saying whether fp32 main weights are saved, ``fp32_param_prefix`` under which name): ``(state,
+    None)``, or ``(None, why not)``. A chained optimizer (a MoE model's dense and expert ones, keyed
+    0, 1, ...) is its parts' groups together."""
     saved = saved if isinstance(saved, dict) else {}
-    if "param_state_sharding_type" in saved:
-        return (
-            None,
-            f"its distributed optimizer's state is in Megatron-LM's {saved['param_state_sharding_type']!r} format",
+    if saved and all(isinstance(k, int) for k in saved):
+        parts = [common(saved[k]) for k in sorted(saved)]
+        reason = next((why for _, why in parts if why), None)
+        if reason:
+            return None, reason
+        states = [state for state, _ in parts]
+        if len({(s["fp32_param"], s["fp32_param_prefix"]) for s in states}) > 1:
+            return None, "its chained optimizers keep their fp32 main weights differently"
+        return states[0] | {
+            "param_groups": [g for s in states for g in s["param_groups"]],
+            "step": max(s["step"] for s in states),
+        }, None
+    sharding = saved.get("param_state_sharding_type")
+    if sharding is not None and sharding not in MODEL_SPACE:
+        return None, (
+            f"its distributed optimizer's state is in Megatron-LM's {sharding!r} format, laid out by "
+            "megatron-core's gradient buffers (Megatron-LM's --dist-ckpt-optim-fully-reshardable saves "
+            "one that is read)"
         )
-    inner, mixed = _unwrapped(saved)
-    if inner is None:
+    inner, mixed = _unwrapped(saved) if sharding is None else (saved.get("optimizer"), True)
+    if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
         return None, "it holds no optimizer state"
     step = _step((inner.get("state") or {}).get("common_step", 0)) or _group_step(inner["param_groups"])
     groups = [{k: g[k] for k in GROUP_KEYS if k in g} for g in inner["param_groups"]]
     return {
         "param_groups": groups,
         "step": step,
-        "use_distributed_optimizer": False,
+        "use_distributed_optimizer": sharding is not None,
+        # The distributed optimizer always keeps fp32 main weights, fp32 weights too.
         "fp32_param": mixed,
+        "fp32_param_prefix": MODEL_SPACE.get(sharding, FP32_PARAM),
     }, None
 
 
@@ -83,10 +112,12 @@ def _megatron_core_groups(model_state: dict) -> list[list[str]]:
 def by_name(saved, model_state: dict) -> tuple[dict | None, str | None]:
     """A ``torch``-format shard's optimizer state as ``{"state": {name: {exp_avg, exp_avg_sq, fp32_param?}},
     "step", "param_groups"}`` (the groups' hyper-parameters by weight-decay multiplier), given the shard's
-    model state dict in our names; or ``(None, why not)``."""
+    model state dict in our names; or ``(None, why not)``. A MoE model's chained optimizer (a list:
+    megatron-core's optimizer of the dense parameters, then the experts') numbers each part's own."""
+    if isinstance(saved, list):
+        return _chained(saved, model_state)
     if not isinstance(saved, dict):
-        kind = "a chained (dense and expert) optimizer" if isinstance(saved, list) else "no optimizer state"
-        return None, f"it holds {kind}"
+        return None, "it holds no optimizer state"
     inner, mixed = _unwrapped(saved)
     if inner is None or not isinstance(inner.get("state"), dict):
         return (
@@ -100,6 +131,25 @@ def by_name(saved, model_state: dict) -> tuple[dict | None, str | None]:
         return None, str(err)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
         return None, f"its optimizer state has an unexpected shape ({type(err).__name__})"
+
+
+def _chained(parts: list, model_state: dict) -> tuple[dict | None, str | None]:
+    expert = {k: v for k, v in model_state.items() if ".experts." in k}
+    models = [m for m in ({k: v for k, v in model_state.items() if k not in expert}, expert) if m]
+    if len(parts) != len(models):
+        return (
+            None,
+            f"its chained optimizer has {len(parts)} parts, not one per dense / expert part ({len(models)})",
+        )
+    out = {"state": {}, "step": 0.0, "param_groups": []}
+    for part, model in zip(parts, models):
+        state, reason = by_name(part, model)
+        if reason:
+            return None, reason
+        out["state"] |= state["state"]
+        out["step"] = max(out["step"], state["step"])
+        out["param_groups"] += state["param_groups"]
+    return out, None
 
 
 class _Mismatch(Exception):
@@ -149,3 +199,16 @@ def apply_by_name(optimizer, model_chunks, saved: dict) -> None:
     by_wd = {g.get("wd_mult"): g for g in saved["param_groups"]}
     for group in optimizer.optimizer.param_groups:
         group.update({k: v for k, v in by_wd.get(group.get("wd_mult"), {}).items() if k in group})
+
+
+def chained_keys(pieces: list, saved_keys) -> None:
+    """Older Megatron-LM prefixes a chained optimizer's tensors with its part's index
+    (``chained_1.optimizer.state.exp_avg.<key>``; since megatron-core 0.13 only its bucket-space
+    layouts do): a piece the checkpoint lacks under its own key reads the one prefixed, in place."""
+    saved_keys = set(saved_keys)
+    for piece in pieces:
+        if piece.key.startswith("optimizer.") and piece.key not in saved_keys:
+            piece.key = next(
+                (f"chained_{i}.{piece.key}" for i in range(8) if f"chained_{i}.{piece.key}" in saved_keys),
+                piece.key,
+            )

@@ -15,10 +15,14 @@ megatron-core's (model and optimizer, key for key); its common state adds, besid
   ``is_decoupled_lr``) and ``state.common_step``; ``Float16OptimizerWithFloat16Params``' the same under
   ``optimizer``.
 
+- with the distributed optimizer, its state as megatron-core's ``DistributedOptimizer`` saves the
+  ``fully_reshardable`` form (every parameter's fp32 main weights under ``optimizer.state.param.``, the
+  groups with the step in each under ``optimizer``, ``param_state_sharding_type``), and
+  ``content_metadata`` saying so: Megatron-LM lays out its load's request by it.
+
 Not written, and said so to Megatron-LM: its RNG states (``no_save_rng`` True, so its load skips them).
-The distributed optimizer's state is in model space, which Megatron-LM reads only in its
-``fully_reshardable`` form under other names; a MoE model's experts have param groups of their own
-there. Both resume in Megatron-LM with ``--no-load-optim``.
+A MoE model's experts have an optimizer of their own there (a chained state, one per part): it
+resumes in Megatron-LM with ``--no-load-optim``.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def megatron_lm_args(cfg, train_state, world_size: int, data_parallel_size: int)
     return argparse.Namespace(**args)
 
 
-def megatron_lm_optimizer(common: dict, max_lr: float, min_lr: float | None) -> dict:
+def megatron_lm_optimizer(common: dict, max_lr: float, min_lr: float | None, fp32_weights: bool) -> dict:
     """Our optimizer common state (``common_state``) with megatron-core's form of it added: param
     groups carrying the keys it matches groups by (0.16's four; since 2026-07 also ``max_lr`` and
     ``min_lr``, which its groups always hold) and FusedAdam's per-group ``step`` and
@@ -82,6 +86,18 @@ def megatron_lm_optimizer(common: dict, max_lr: float, min_lr: float | None) -> 
     identifiers = {**_IDENTIFIERS, "max_lr": max_lr, "min_lr": min_lr}
     groups = [{**identifiers, **fused, **g} for g in common["param_groups"]]
     theirs = {"param_groups": groups, "state": {"common_step": torch.tensor(float(common["step"]))}}
-    if common.get("fp32_param"):
-        return {**common, "optimizer": theirs}
-    return {**common, **theirs}
+    if not common.get("use_distributed_optimizer"):
+        return {**common, "optimizer": theirs} if common.get("fp32_param") else {**common, **theirs}
+    # megatron-core's DistributedOptimizer reads its groups (the step in each) under ``optimizer``,
+    # its tensors in its fully reshardable layout; FP32Optimizer, for a resume without it, the groups flat.
+    distributed = {"optimizer": theirs, "param_state_sharding_type": "fully_reshardable"}
+    return {**common, **(theirs if fp32_weights else {}), **distributed}
+
+
+def content_metadata(distributed: bool) -> dict:
+    """Megatron-LM's content metadata (``_build_sharded_state_dict_metadata``), which lays out its
+    load's request: the layout our tensors have (model space, no chained-optimizer prefix)."""
+    metadata = {"chained_optim_avoid_prefix": True, "singleton_local_shards": False}
+    if distributed:
+        metadata |= {"distrib_optim_sharding_type": "fully_reshardable"}
+    return metadata

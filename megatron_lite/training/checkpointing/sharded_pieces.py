@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron_lite.core import parallel_state
 from megatron_lite.core.dist_checkpointing.mapping import flat_range_pieces
 from megatron_lite.core.models.gpt.sharded_state_dict import chunk_slabs
-from megatron_lite.core.optimizer.sharded_state import FP32_PARAM, optimizer_pieces
+from megatron_lite.core.optimizer.sharded_state import DISTRIBUTED_FP32_PARAM, FP32_PARAM, optimizer_pieces
 from megatron_lite.core.transformer.pipeline_layer_split import chunk_layer_offset
 from megatron_lite.training.checkpointing.distrib_optim import uses_distributed_optimizer
 from megatron_lite.training.checkpointing.layout import expert_layout, model_chunks
@@ -91,11 +91,14 @@ def sharded_pieces(
     fp32_from: str | None = FP32_PARAM,
     moments: bool = True,
     fp32_weights_from: str = "",
+    saving: bool = False,
 ):
     """This rank's pieces of the checkpoint's tensors: its weights, and with ``with_optimizer`` its
     optimizer state (of its own shard with the distributed optimizer; ``moments`` False: its fp32
     main parameters only). ``fp32_weights_from``: the prefix fp32 weights are read from (a load into
-    an fp32 model of a checkpoint with fp32 main parameters beside lower-precision weights)."""
+    an fp32 model of a checkpoint with fp32 main parameters beside lower-precision weights).
+    ``saving`` with the distributed optimizer: every parameter's fp32 main weights, named as
+    megatron-core's distributed optimizer saves them (Megatron-LM's resume with it reads them)."""
     placement = _placement(model, model_cfg)
     dp_first = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     edp_first = parallel_state.get_expert_data_parallel_rank() == 0
@@ -110,5 +113,9 @@ def sharded_pieces(
             p: (slabs, _replica(rep, ro, sharded or (edp_first if ex else dp_first), ex))
             for p, (slabs, rep, ro, ex) in placement.items()
         }
-        pieces += optimizer_pieces(optimizer, optim, fp32_from=fp32_from, moments=moments)
+        if saving and sharded:  # megatron-core's distributed optimizer's layout
+            fp32_from = DISTRIBUTED_FP32_PARAM
+        pieces += optimizer_pieces(
+            optimizer, optim, fp32_from=fp32_from, moments=moments, every_fp32=sharded and saving
+        )
     return pieces

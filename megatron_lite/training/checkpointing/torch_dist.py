@@ -30,6 +30,7 @@ from megatron_lite.core.dist_checkpointing import (
     plan_save,
 )
 from megatron_lite.core.optimizer.sharded_state import (
+    DISTRIBUTED_FP32_PARAM,
     FP32_PARAM,
     common_state,
     load_common_state,
@@ -41,7 +42,12 @@ from megatron_lite.training.checkpointing.commit import begin_checkpoint, end_ch
 from megatron_lite.training.checkpointing.compat import resharded_model_error, saved_split
 from megatron_lite.training.checkpointing.distrib_optim import uses_distributed_optimizer
 from megatron_lite.training.checkpointing.layout import CHECKPOINT_VERSION, COMMON, model_chunks, read_common
-from megatron_lite.training.checkpointing.megatron_lm_out import megatron_lm_args, megatron_lm_optimizer
+from megatron_lite.training.checkpointing.megatron_lm_optimizer import chained_keys
+from megatron_lite.training.checkpointing.megatron_lm_out import (
+    content_metadata,
+    megatron_lm_args,
+    megatron_lm_optimizer,
+)
 from megatron_lite.training.checkpointing.reshard import describe_layout
 from megatron_lite.training.checkpointing.rng import rng_state, set_rng_state
 from megatron_lite.training.checkpointing.safety import CheckpointError, plain
@@ -59,7 +65,10 @@ SHARDED_BACKEND = {
 
 def _common(state, model, optimizer, scheduler, rngs: list) -> dict:
     # Lower-precision weights: the fp32 main parameters are saved beside them (the same on every rank).
-    has_copies = any(p.dtype != torch.float32 for c in model_chunks(model) for p in c.parameters())
+    lower = any(p.dtype != torch.float32 for c in model_chunks(model) for p in c.parameters())
+    distributed = uses_distributed_optimizer(
+        optimizer
+    )  # every parameter's, as megatron-core's (sharded_pieces)
     layout = layout_record(state.cfg.model)
     return {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -71,11 +80,13 @@ def _common(state, model, optimizer, scheduler, rngs: list) -> dict:
         "optimizer": megatron_lm_optimizer(
             {
                 **common_state(optimizer),
-                "use_distributed_optimizer": uses_distributed_optimizer(optimizer),
-                "fp32_param": has_copies,
+                "use_distributed_optimizer": distributed,
+                "fp32_param": lower or distributed,
+                "fp32_param_prefix": DISTRIBUTED_FP32_PARAM if distributed else FP32_PARAM,
             },
             state.cfg.optimizer.lr,
             state.cfg.optimizer.min_lr,
+            fp32_weights=not lower,
         ),
         "rng_state": rngs,
         # What Megatron-LM's load_checkpoint reads besides (megatron_lm_out.py).
@@ -83,6 +94,7 @@ def _common(state, model, optimizer, scheduler, rngs: list) -> dict:
             state.cfg, state.train_state, dist.get_world_size(), layout["data_parallel_size"]
         ),
         "num_floating_point_operations_so_far": float(state.train_state.floating_point_operations_so_far),
+        "content_metadata": content_metadata(distributed),
     }
 
 
@@ -105,7 +117,7 @@ def save_distributed(state, model, optimizer, scheduler) -> None:
         if dist.get_rank() == 0:
             common = _common(state, model, optimizer, scheduler, rngs)
             atomic_write_bytes(os.path.join(tmp_root, COMMON), lambda f: torch.save(common, f))
-        pieces = sharded_pieces(model, optimizer, state.cfg.model, with_optimizer=True)
+        pieces = sharded_pieces(model, optimizer, state.cfg.model, with_optimizer=True, saving=True)
     except Exception as err:
         error = save_error("--save", root, iteration, err)
     agree(error, cleanup=tmp_root)
@@ -203,19 +215,23 @@ def load_distributed(state, model, optimizer, scheduler, root: str, iteration: i
         saved, now = common["parallel_layout"], layout_record(model_cfg)
         saved_tp, train_state = saved["tensor_model_parallel_size"], common["train_state"]
         rngs, fp32_saved = common["rng_state"], bool(common["optimizer"]["fp32_param"])
+        # Megatron-LM's fully_reshardable distributed optimizer names them otherwise.
+        fp32 = common["optimizer"].get("fp32_param_prefix", FP32_PARAM) if fp32_saved else ""
         if error is None:
             pieces = sharded_pieces(
                 model,
                 optimizer,
                 model_cfg,
                 with_optimizer=with_optimizer or mains_only,
-                fp32_from=FP32_PARAM if fp32_saved else "",
+                fp32_from=fp32,
                 moments=not mains_only,
                 # An fp32 model takes its weights from the fp32 main parameters saved beside bf16 ones.
-                fp32_weights_from=FP32_PARAM if fp32_saved and with_optimizer else "",
+                fp32_weights_from=fp32 if with_optimizer else "",
             )
             metadata = load_metadata(_iteration_dir(root, iteration))
             check_data_files(_iteration_dir(root, iteration), metadata)  # a missing or cut .distcp
+            if common.get("megatron_lm"):
+                chained_keys(pieces, metadata.state_dict_metadata)
             error = _fit_error(pieces, metadata, root, iteration)
     except CheckpointError as err:
         error = str(err)

@@ -10,16 +10,17 @@ import zlib
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist_helpers import run_pretrain, run_world
 from mcore_helpers import assert_same, mcore_save_on_cpu, poison, tensors
 from megatron_lm_helpers import (
+    LLAMA_FLAGS,
     TRAIN,
     mcore_llama,
     megatron_lm_args,
     megatron_lm_schedule,
     our_resume,
     te_state_dict,
+    track_latest,
 )
 
 pytestmark = pytest.mark.world  # every test here starts processes
@@ -66,10 +67,7 @@ def _megatron_lm_run_state(rank, world, root, fmt):
         shard = os.path.join(root, "iter_0000007", f"mp_rank_{rank:02d}", "model_optim_rng.pt")
         os.makedirs(os.path.dirname(shard), exist_ok=True)
         torch.save(state, shard)
-    if rank == 0:
-        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write("7")
-    dist.barrier()
+    track_latest(root, 7)
     names = {id(p): n for n, p in llama.named_parameters()}
     theirs = {names[id(p)]: (s["exp_avg"], s["exp_avg_sq"], float(s["step"])) for p, s in adam.state.items()}
     sched = OptimizerParamScheduler(adam, 0.0, 3e-4, 3e-5, 16, 800, "cosine", 0.1, 0.1, 800, "constant")
@@ -110,15 +108,6 @@ def test_a_megatron_lm_run_resumes_with_its_optimizer_state_schedule_and_positio
             assert ours[2] == step == 1.0
         assert r["train_state"] == (7, 112) and r["num_steps"] == 112
         assert r["our_lr"] == pytest.approx(r["their_lr"], rel=1e-12)
-
-
-LLAMA_FLAGS = (
-    "--num-layers 2 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 8 --group-query-attention "
-    "--num-query-groups 4 --kv-channels 8 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
-    "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights "
-    "--vocab-size 256 --max-position-embeddings 16 --hidden-dropout 0 --attention-dropout 0 "
-    "--tensor-model-parallel-size 2"
-).split()
 
 
 def _megatron_core_load(root: str, iteration: int):
@@ -239,10 +228,7 @@ def _megatron_core_saves_what_it_loaded(rank, world, ours: str, theirs: str) -> 
     os.makedirs(os.path.join(theirs, "iter_0000002"), exist_ok=True)
     with mcore_save_on_cpu():
         mcore_dist_checkpointing.save(state, os.path.join(theirs, "iter_0000002"))
-    if rank == 0:
-        with open(os.path.join(theirs, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write("2")
-    dist.barrier()
+    track_latest(theirs, 2)
 
 
 def test_a_run_through_megatron_lm_and_back_continues_with_the_losses_of_an_unbroken_one(tmp_path):

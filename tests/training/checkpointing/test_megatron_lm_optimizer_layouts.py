@@ -1,0 +1,214 @@
+"""Megatron-LM's other optimizer layouts in ``torch_dist``, resumed in megatron_lite with their moments:
+the distributed optimizer's state in model space (the ``fully_reshardable`` Megatron-LM writes with
+``--dist-ckpt-optim-fully-reshardable``; megatron-core 0.16 can no longer write the older
+``fully_sharded_model_space``, whose tensors are ours key for key), and a MoE model's chained optimizer
+(dense and expert parts, megatron-core's ``ChainedOptimizer``), with and without the ``chained_<i>.``
+prefix older Megatron-LM gave its tensors, and in its ``torch`` format (a list of the parts' states). And back: our distributed optimizer's checkpoint read by
+megatron-core as Megatron-LM's resume with ``--use-distributed-optimizer`` reads it."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import replace
+
+import pytest
+import torch
+from dist_helpers import run_pretrain, run_world
+from mcore_helpers import mcore_save_on_cpu, poison
+from megatron_lm_helpers import (
+    LLAMA_FLAGS,
+    TRAIN,
+    mcore_llama,
+    mcore_mixtral,
+    megatron_lm_args,
+    megatron_lm_schedule,
+    our_resume,
+    track_latest,
+)
+
+pytestmark = pytest.mark.world  # every test here starts processes
+
+MOE_ARGS = dict(expert_model_parallel_size=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+
+
+def _adam_after_a_step(model, rank, own, params=None):
+    """torch's Adam after one step on fixed gradients, over megatron-core's param groups of ``params``
+    (all of the model's by default). ``own(name, param)``: a parameter this rank holds a part of its
+    own (its gradient differs from the other rank's; a replicated one's is the same)."""
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+
+    groups = _get_param_groups([model], OptimizerConfig(lr=3e-4, min_lr=3e-5, weight_decay=0.1), None)
+    if params is not None:
+        groups = [g | {"params": [p for p in g["params"] if id(p) in params]} for g in groups]
+        groups = [g for g in groups if g["params"]]
+    adam = torch.optim.Adam(groups, lr=3e-4, weight_decay=0.1)
+    for name, p in model.named_parameters():
+        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (1000 * rank if own(name, p) else 0))
+        p.grad = torch.randn(p.shape, generator=gen)
+    adam.step()
+    return adam
+
+
+def _fp32_optimizer(adam):
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    optimizer = object.__new__(FP32Optimizer)  # its constructor makes a CUDA tensor (the loss scale)
+    optimizer.optimizer = adam
+    return optimizer
+
+
+def fully_reshardable(model, state_of) -> dict:
+    """The distributed optimizer's sharded state as megatron-core's ``DistributedOptimizer`` lays it
+    out in Megatron-LM's ``fully_reshardable`` form (``sharded_param_state_fully_reshardable``; that
+    class itself needs CUDA): per parameter, its model ShardedTensor under ``optimizer.state.param.``,
+    ``.exp_avg.`` and ``.exp_avg_sq.``, ``state_of(param)`` giving the three tensors; the common part
+    its ``state_dict``: torch's param groups without parameters, the step in each."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    params = dict(model.named_parameters())
+    param_state = {}
+    for index, (name, sh) in enumerate(
+        (n, sh) for n, sh in model.sharded_state_dict().items() if n in params
+    ):
+        param_state[index] = {}
+        for k, t in state_of(params[name]).items():
+            # as megatron-core: a factory (the SwiGLU weight's two halves) takes no dtype
+            dtype = {} if isinstance(sh, ShardedTensorFactory) else {"dtype": t.dtype}
+            param_state[index][k] = replace(sh, key=f"optimizer.state.{k}.{sh.key}", data=t, **dtype)
+    return {"param_state": param_state, "param_state_sharding_type": "fully_reshardable"}
+
+
+def _their_run_and_our_resume(rank, world, root, layout):
+    """A Megatron-LM ``torch_dist`` checkpoint at iteration 7 whose optimizer state is in ``layout``,
+    then megatron_lite resuming it in the same world: each side's moments by parameter name."""
+    from megatron.core import dist_checkpointing as mcore_dist_checkpointing
+    from megatron.core import parallel_state as mps
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    from megatron_lite.core import parallel_state
+
+    moe = layout.startswith("chained")
+    model = mcore_mixtral() if moe else mcore_llama()
+    model_sd = model.sharded_state_dict()
+    if moe:  # Megatron-LM's MoE optimizer: the dense parameters' and the experts', chained
+        experts = {id(p) for n, p in model.named_parameters() if ".experts." in n}
+        dense = {id(p) for p in model.parameters()} - experts
+        own = lambda name, _: ".experts." in name  # noqa: E731
+        adams = [_adam_after_a_step(model, rank, own, ids) for ids in (dense, experts)]
+        chained = ChainedOptimizer([_fp32_optimizer(a) for a in adams])
+        metadata = {"chained_optim_avoid_prefix": layout == "chained"}
+        optimizer_state = chained.sharded_state_dict(model_sd, metadata=metadata)
+        args = megatron_lm_args(**MOE_ARGS)
+    else:
+        adam = _adam_after_a_step(model, rank, lambda _, p: getattr(p, "tensor_model_parallel", False))
+        optimizer_state = fully_reshardable(
+            model,
+            lambda p: {
+                "param": p.detach(),
+                "exp_avg": adam.state[p]["exp_avg"],
+                "exp_avg_sq": adam.state[p]["exp_avg_sq"],
+            },
+        )
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in adam.state_dict()["param_groups"]]
+        optimizer_state["optimizer"] = {"param_groups": [g | {"step": 1.0} for g in groups]}
+        adams = [adam]
+        args = megatron_lm_args(tensor_model_parallel_size=2, use_distributed_optimizer=True)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": 7, "model": model_sd}
+    state |= {"optimizer": optimizer_state, "opt_param_scheduler": megatron_lm_schedule()}
+    directory = os.path.join(root, "iter_0000007")
+    if layout == "chained_torch":  # its torch format: each part's torch state dict, in a list
+        shard = os.path.join(directory, f"mp_rank_00_{rank:03d}", "model_optim_rng.pt")
+        os.makedirs(os.path.dirname(shard), exist_ok=True)
+        torch.save(state | {"model": model.state_dict(), "optimizer": chained.state_dict()}, shard)
+    else:
+        os.makedirs(directory, exist_ok=True)
+        with mcore_save_on_cpu():
+            mcore_dist_checkpointing.save(state, directory)
+    track_latest(root, 7)
+    names = {id(p): n for n, p in model.named_parameters()}
+    theirs = {
+        names[id(p)]: (s["exp_avg"], s["exp_avg_sq"], float(s["step"]))
+        for a in adams
+        for p, s in a.state.items()
+    }
+    saved_keys = (
+        () if layout == "chained_torch" else mcore_dist_checkpointing.load_tensors_metadata(directory)
+    )
+    mps.destroy_model_parallel()
+    parallel = (
+        ["--expert-model-parallel-size", "2", "--nproc-per-node", "2"]
+        if moe
+        else ["--tensor-model-parallel-size", "2"]
+    )
+    distributed = [] if moe else ["--use-distributed-optimizer"]
+    _, ours = our_resume(
+        [*TRAIN, "--load", root, *parallel, *distributed, "--use-checkpoint-opt-param-scheduler"]
+    )
+    parallel_state.destroy_model_parallel()
+    return dict(theirs=theirs, ours=ours, prefixed=any(k.startswith("chained_1.") for k in saved_keys))
+
+
+@pytest.mark.parametrize("layout", ["fully_reshardable", "chained", "chained_prefixed", "chained_torch"])
+def test_a_megatron_lm_optimizer_layout_resumes_with_its_moments(tmp_path, layout):
+    for rank, r in enumerate(run_world(_their_run_and_our_resume, 2, str(tmp_path / "run"), layout)):
+        assert r["prefixed"] == (layout == "chained_prefixed")  # the layout is the one meant
+        assert r["ours"].keys() == r["theirs"].keys(), sorted(r["ours"].keys() ^ r["theirs"].keys())
+        for name, (exp_avg, exp_avg_sq, step) in r["theirs"].items():
+            ours = r["ours"][name]
+            # the distributed optimizer's shard is flat (all of it at dp 1)
+            assert torch.equal(ours[0].view(-1), exp_avg.view(-1)), (rank, name)
+            assert torch.equal(ours[1].view(-1), exp_avg_sq.view(-1)), (rank, name)
+            assert ours[2] == step == 1.0
+
+
+def _megatron_core_reads_our_distributed_optimizer(rank, world, root):
+    """Megatron-LM's resume with ``--use-distributed-optimizer`` of our checkpoint, with megatron-core's
+    code where it runs without CUDA: the content metadata it lays its request out by, the load of
+    that request (the model and ``fully_reshardable``'s tensors), the common part
+    ``DistributedOptimizer.load_state_dict`` reads; beside our own resume of the same checkpoint."""
+    from megatron.core import dist_checkpointing as mcore_dist_checkpointing
+    from megatron.core import parallel_state as mps
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from megatron_lite.core import parallel_state
+
+    llama = mcore_llama()
+    poison(llama)
+    directory = os.path.join(root, "iter_0000003")
+    content = mcore_dist_checkpointing.load_content_metadata(directory)
+    names = ("param", "exp_avg", "exp_avg_sq")
+    request = {"model": llama.sharded_state_dict()}
+    request["optimizer"] = fully_reshardable(llama, lambda p: {k: torch.empty_like(p) for k in names})
+    loaded = mcore_dist_checkpointing.load(request, directory, strict=StrictHandling.LOG_ALL)
+    llama.load_state_dict(loaded["model"], strict=False)
+    params = [n for n, _ in llama.named_parameters() if n in request["model"]]
+    state = loaded["optimizer"]["param_state"]
+    theirs = {name: {k: state[i][k] for k in names} for i, name in enumerate(params)}
+    weights = {n: p.detach().clone() for n, p in llama.named_parameters()}
+    common = {k: v for k, v in loaded["optimizer"].items() if k != "param_state"}
+    mps.destroy_model_parallel()
+    argv = [*LLAMA_FLAGS, *TRAIN[:-3], "--load", root, "--use-distributed-optimizer", "--train-iters", "4"]
+    _, ours = our_resume([*argv, "--use-checkpoint-opt-param-scheduler"])
+    parallel_state.destroy_model_parallel()
+    return dict(content=content, common=common, theirs=theirs, weights=weights, ours=ours)
+
+
+def test_megatron_lm_resumes_our_distributed_optimizer_state(tmp_path):
+    run = [*LLAMA_FLAGS, *TRAIN[:-3], "--train-iters", "3", "--lr", "1e-3", "--use-distributed-optimizer"]
+    run += ["--save", "ours", "--ckpt-format", "torch_dist", "--save-interval", "3", "--nproc-per-node", "2"]
+    result = run_pretrain(run, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for r in run_world(_megatron_core_reads_our_distributed_optimizer, 2, str(tmp_path / "ours")):
+        assert r["content"]["distrib_optim_sharding_type"] == "fully_reshardable"
+        assert r["content"]["chained_optim_avoid_prefix"] is True
+        assert r["common"]["param_state_sharding_type"] == "fully_reshardable"
+        for group in r["common"]["optimizer"]["param_groups"]:  # what load_state_dict matches and steps by
+            assert {"wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"} <= group.keys()
+            assert group["step"] == 3
+        assert r["theirs"].keys() == r["ours"].keys()
+        for name, t in r["theirs"].items():
+            exp_avg, exp_avg_sq, step = r["ours"][name]
+            assert torch.equal(t["exp_avg"].view(-1), exp_avg.view(-1)), name
+            assert torch.equal(t["exp_avg_sq"].view(-1), exp_avg_sq.view(-1)), name
+            assert torch.equal(t["param"], r["weights"][name]) and step == 3.0, name
