@@ -9,6 +9,7 @@ import argparse
 import pathlib
 import random
 import signal
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -146,3 +147,43 @@ def te_state_dict(model) -> dict:
         if key.endswith("linear_qkv.weight"):
             state[key.replace(".weight", "._extra_state")] = None  # TE's FP8 metadata (none without FP8)
     return state
+
+
+def fp32_optimizer(adam):
+    """megatron-core's FP32Optimizer around ``adam``, without its constructor (which makes a CUDA tensor
+    for the loss scale that the sharded state does not use)."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    def init_state_fn(opt, config=None):  # megatron-core's, for Adam
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not opt.state[p]:
+                    opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"] = (
+                        torch.zeros_like(p),
+                        torch.zeros_like(p),
+                    )
+
+    optimizer = object.__new__(FP32Optimizer)
+    optimizer.optimizer, optimizer.config, optimizer.init_state_fn = adam, None, init_state_fn
+    return optimizer
+
+
+def fully_reshardable(model, state_of) -> dict:
+    """The distributed optimizer's sharded state as megatron-core's ``DistributedOptimizer`` lays it
+    out in Megatron-LM's ``fully_reshardable`` form (``sharded_param_state_fully_reshardable``; that
+    class itself needs CUDA): per parameter, its model ShardedTensor under ``optimizer.state.param.``,
+    ``.exp_avg.`` and ``.exp_avg_sq.``, ``state_of(param)`` giving the three tensors; the common part
+    its ``state_dict``: torch's param groups without parameters, the step in each."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    params = dict(model.named_parameters())
+    param_state = {}
+    for index, (name, sh) in enumerate(
+        (n, sh) for n, sh in model.sharded_state_dict().items() if n in params
+    ):
+        param_state[index] = {}
+        for k, t in state_of(params[name]).items():
+            # as megatron-core: a factory (the SwiGLU weight's two halves) takes no dtype
+            dtype = {} if isinstance(sh, ShardedTensorFactory) else {"dtype": t.dtype}
+            param_state[index][k] = replace(sh, key=f"optimizer.state.{k}.{sh.key}", data=t, **dtype)
+    return {"param_state": param_state, "param_state_sharding_type": "fully_reshardable"}

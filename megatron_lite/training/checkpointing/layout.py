@@ -11,6 +11,7 @@ import os
 from megatron_lite.core import parallel_state
 from megatron_lite.training.checkpointing import megatron_lm
 from megatron_lite.training.checkpointing.distrib_optim import get_distributed_optimizer_checkpoint_name
+from megatron_lite.training.checkpointing.megatron_lm_out import unchained
 from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -193,6 +194,8 @@ def read_common(root: str, iteration: int, flag: str = "--load") -> dict:
     common = load_checkpoint_file(path, root, legacy=False)
     if megatron_lm.is_megatron_lm(common):
         common = megatron_lm.as_megatron_lite(common, f"{flag} {root}", legacy=False)
+    elif isinstance(common, dict) and isinstance(common.get("optimizer"), dict):
+        common["optimizer"] = unchained(common["optimizer"])  # a MoE model's, saved as Megatron-LM's
     if not isinstance(common, dict) or not isinstance(common.get("config"), dict):
         raise CheckpointError(f"{flag} {root}: iteration {iteration}: {COMMON} is not a megatron_lite one")
     return common

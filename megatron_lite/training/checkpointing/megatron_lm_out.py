@@ -20,9 +20,10 @@ megatron-core's (model and optimizer, key for key); its common state adds, besid
   groups with the step in each under ``optimizer``, ``param_state_sharding_type``), and
   ``content_metadata`` saying so: Megatron-LM lays out its load's request by it.
 
+- a MoE model's optimizer as Megatron-LM's chained one (the dense parameters', the experts'), one
+  state per part.
+
 Not written, and said so to Megatron-LM: its RNG states (``no_save_rng`` True, so its load skips them).
-A MoE model's experts have an optimizer of their own there (a chained state, one per part): it
-resumes in Megatron-LM with ``--no-load-optim``.
 """
 
 from __future__ import annotations
@@ -76,15 +77,39 @@ def megatron_lm_args(cfg, train_state, world_size: int, data_parallel_size: int)
     return argparse.Namespace(**args)
 
 
-def megatron_lm_optimizer(common: dict, max_lr: float, min_lr: float | None, fp32_weights: bool) -> dict:
+def chained_parts(named_parameters) -> list[set[float]] | None:
+    """A MoE model's two optimizers in Megatron-LM (megatron-core's ``get_megatron_optimizer``: the
+    dense parameters', then the experts'), as the weight-decay multipliers of the param groups each
+    holds (its loader matches saved groups to them one for one); None without experts."""
+    parts: list[set[float]] = [set(), set()]
+    for name, param in named_parameters:
+        parts[".experts." in name].add(1.0 if param.ndim >= 2 else 0.0)
+    return parts if parts[1] else None
+
+
+def megatron_lm_optimizer(
+    common: dict, max_lr: float, min_lr: float | None, fp32_weights: bool, parts: list | None = None
+) -> dict:
     """Our optimizer common state (``common_state``) with megatron-core's form of it added: param
     groups carrying the keys it matches groups by (0.16's four; since 2026-07 also ``max_lr`` and
     ``min_lr``, which its groups always hold) and FusedAdam's per-group ``step`` and
     ``bias_correction``, and the step as ``state.common_step`` (torch's Adam; at the top level for
-    ``FP32Optimizer``, under ``optimizer`` for mixed precision, where the fp32 main weights are saved)."""
+    ``FP32Optimizer``, under ``optimizer`` for mixed precision, where the fp32 main weights are saved).
+    ``parts`` (``chained_parts``): a MoE model's, which Megatron-LM steps with a chained optimizer:
+    one such state per part, keyed 0, 1, each with the groups of its part (the experts'
+    ``is_expert_parallel``); ``unchained`` gives ours back."""
+    if parts:
+        return {
+            i: _megatron_lm_form(common, max_lr, min_lr, fp32_weights, i, wd) for i, wd in enumerate(parts)
+        }
+    return _megatron_lm_form(common, max_lr, min_lr, fp32_weights, False, None)
+
+
+def _megatron_lm_form(common, max_lr, min_lr, fp32_weights: bool, expert: bool, wd_mults: set | None):
     fused = {"step": int(common["step"]), "bias_correction": True}
-    identifiers = {**_IDENTIFIERS, "max_lr": max_lr, "min_lr": min_lr}
-    groups = [{**identifiers, **fused, **g} for g in common["param_groups"]]
+    identifiers = {**_IDENTIFIERS, "is_expert_parallel": bool(expert), "max_lr": max_lr, "min_lr": min_lr}
+    mine = [g for g in common["param_groups"] if wd_mults is None or g["wd_mult"] in wd_mults]
+    groups = [{**identifiers, **fused, **g} for g in mine]
     theirs = {"param_groups": groups, "state": {"common_step": torch.tensor(float(common["step"]))}}
     if not common.get("use_distributed_optimizer"):
         return {**common, "optimizer": theirs} if common.get("fp32_param") else {**common, **theirs}
@@ -92,6 +117,12 @@ def megatron_lm_optimizer(common: dict, max_lr: float, min_lr: float | None, fp3
     # its tensors in its fully reshardable layout; FP32Optimizer, for a resume without it, the groups flat.
     distributed = {"optimizer": theirs, "param_state_sharding_type": "fully_reshardable"}
     return {**common, **(theirs if fp32_weights else {}), **distributed}
+
+
+def unchained(optimizer: dict) -> dict:
+    """Our optimizer common state from ``megatron_lm_optimizer``'s (a chained one's first part: each
+    part carries all of ours)."""
+    return optimizer[0] if 0 in optimizer else optimizer
 
 
 def content_metadata(distributed: bool) -> dict:

@@ -44,6 +44,7 @@ from megatron_lite.training.checkpointing.distrib_optim import uses_distributed_
 from megatron_lite.training.checkpointing.layout import CHECKPOINT_VERSION, COMMON, model_chunks, read_common
 from megatron_lite.training.checkpointing.megatron_lm_optimizer import chained_keys
 from megatron_lite.training.checkpointing.megatron_lm_out import (
+    chained_parts,
     content_metadata,
     megatron_lm_args,
     megatron_lm_optimizer,
@@ -87,6 +88,7 @@ def _common(state, model, optimizer, scheduler, rngs: list) -> dict:
             state.cfg.optimizer.lr,
             state.cfg.optimizer.min_lr,
             fp32_weights=not lower,
+            parts=chained_parts(n_p for c in model_chunks(model) for n_p in c.named_parameters()),
         ),
         "rng_state": rngs,
         # What Megatron-LM's load_checkpoint reads besides (megatron_lm_out.py).

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import os
 import zlib
-from dataclasses import replace
 
 import pytest
 import torch
-from dist_helpers import run_pretrain, run_world
-from mcore_helpers import mcore_save_on_cpu, poison
+from dist_helpers import run_world
+from mcore_helpers import mcore_save_on_cpu
 from megatron_lm_helpers import (
-    LLAMA_FLAGS,
     TRAIN,
+    fp32_optimizer,
+    fully_reshardable,
     mcore_llama,
     mcore_mixtral,
     megatron_lm_args,
@@ -50,35 +50,6 @@ def _adam_after_a_step(model, rank, own, params=None):
     return adam
 
 
-def _fp32_optimizer(adam):
-    from megatron.core.optimizer.optimizer import FP32Optimizer
-
-    optimizer = object.__new__(FP32Optimizer)  # its constructor makes a CUDA tensor (the loss scale)
-    optimizer.optimizer = adam
-    return optimizer
-
-
-def fully_reshardable(model, state_of) -> dict:
-    """The distributed optimizer's sharded state as megatron-core's ``DistributedOptimizer`` lays it
-    out in Megatron-LM's ``fully_reshardable`` form (``sharded_param_state_fully_reshardable``; that
-    class itself needs CUDA): per parameter, its model ShardedTensor under ``optimizer.state.param.``,
-    ``.exp_avg.`` and ``.exp_avg_sq.``, ``state_of(param)`` giving the three tensors; the common part
-    its ``state_dict``: torch's param groups without parameters, the step in each."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-    params = dict(model.named_parameters())
-    param_state = {}
-    for index, (name, sh) in enumerate(
-        (n, sh) for n, sh in model.sharded_state_dict().items() if n in params
-    ):
-        param_state[index] = {}
-        for k, t in state_of(params[name]).items():
-            # as megatron-core: a factory (the SwiGLU weight's two halves) takes no dtype
-            dtype = {} if isinstance(sh, ShardedTensorFactory) else {"dtype": t.dtype}
-            param_state[index][k] = replace(sh, key=f"optimizer.state.{k}.{sh.key}", data=t, **dtype)
-    return {"param_state": param_state, "param_state_sharding_type": "fully_reshardable"}
-
-
 def _their_run_and_our_resume(rank, world, root, layout):
     """A Megatron-LM ``torch_dist`` checkpoint at iteration 7 whose optimizer state is in ``layout``,
     then megatron_lite resuming it in the same world: each side's moments by parameter name."""
@@ -96,7 +67,7 @@ def _their_run_and_our_resume(rank, world, root, layout):
         dense = {id(p) for p in model.parameters()} - experts
         own = lambda name, _: ".experts." in name  # noqa: E731
         adams = [_adam_after_a_step(model, rank, own, ids) for ids in (dense, experts)]
-        chained = ChainedOptimizer([_fp32_optimizer(a) for a in adams])
+        chained = ChainedOptimizer([fp32_optimizer(a) for a in adams])
         metadata = {"chained_optim_avoid_prefix": layout == "chained"}
         optimizer_state = chained.sharded_state_dict(model_sd, metadata=metadata)
         args = megatron_lm_args(**MOE_ARGS)
@@ -160,55 +131,3 @@ def test_a_megatron_lm_optimizer_layout_resumes_with_its_moments(tmp_path, layou
             assert torch.equal(ours[0].view(-1), exp_avg.view(-1)), (rank, name)
             assert torch.equal(ours[1].view(-1), exp_avg_sq.view(-1)), (rank, name)
             assert ours[2] == step == 1.0
-
-
-def _megatron_core_reads_our_distributed_optimizer(rank, world, root):
-    """Megatron-LM's resume with ``--use-distributed-optimizer`` of our checkpoint, with megatron-core's
-    code where it runs without CUDA: the content metadata it lays its request out by, the load of
-    that request (the model and ``fully_reshardable``'s tensors), the common part
-    ``DistributedOptimizer.load_state_dict`` reads; beside our own resume of the same checkpoint."""
-    from megatron.core import dist_checkpointing as mcore_dist_checkpointing
-    from megatron.core import parallel_state as mps
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    from megatron_lite.core import parallel_state
-
-    llama = mcore_llama()
-    poison(llama)
-    directory = os.path.join(root, "iter_0000003")
-    content = mcore_dist_checkpointing.load_content_metadata(directory)
-    names = ("param", "exp_avg", "exp_avg_sq")
-    request = {"model": llama.sharded_state_dict()}
-    request["optimizer"] = fully_reshardable(llama, lambda p: {k: torch.empty_like(p) for k in names})
-    loaded = mcore_dist_checkpointing.load(request, directory, strict=StrictHandling.LOG_ALL)
-    llama.load_state_dict(loaded["model"], strict=False)
-    params = [n for n, _ in llama.named_parameters() if n in request["model"]]
-    state = loaded["optimizer"]["param_state"]
-    theirs = {name: {k: state[i][k] for k in names} for i, name in enumerate(params)}
-    weights = {n: p.detach().clone() for n, p in llama.named_parameters()}
-    common = {k: v for k, v in loaded["optimizer"].items() if k != "param_state"}
-    mps.destroy_model_parallel()
-    argv = [*LLAMA_FLAGS, *TRAIN[:-3], "--load", root, "--use-distributed-optimizer", "--train-iters", "4"]
-    _, ours = our_resume([*argv, "--use-checkpoint-opt-param-scheduler"])
-    parallel_state.destroy_model_parallel()
-    return dict(content=content, common=common, theirs=theirs, weights=weights, ours=ours)
-
-
-def test_megatron_lm_resumes_our_distributed_optimizer_state(tmp_path):
-    run = [*LLAMA_FLAGS, *TRAIN[:-3], "--train-iters", "3", "--lr", "1e-3", "--use-distributed-optimizer"]
-    run += ["--save", "ours", "--ckpt-format", "torch_dist", "--save-interval", "3", "--nproc-per-node", "2"]
-    result = run_pretrain(run, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    for r in run_world(_megatron_core_reads_our_distributed_optimizer, 2, str(tmp_path / "ours")):
-        assert r["content"]["distrib_optim_sharding_type"] == "fully_reshardable"
-        assert r["content"]["chained_optim_avoid_prefix"] is True
-        assert r["common"]["param_state_sharding_type"] == "fully_reshardable"
-        for group in r["common"]["optimizer"]["param_groups"]:  # what load_state_dict matches and steps by
-            assert {"wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"} <= group.keys()
-            assert group["step"] == 3
-        assert r["theirs"].keys() == r["ours"].keys()
-        for name, t in r["theirs"].items():
-            exp_avg, exp_avg_sq, step = r["ours"][name]
-            assert torch.equal(t["exp_avg"].view(-1), exp_avg.view(-1)), name
-            assert torch.equal(t["exp_avg_sq"].view(-1), exp_avg_sq.view(-1)), name
-            assert torch.equal(t["param"], r["weights"][name]) and step == 3.0, name

@@ -15,6 +15,7 @@ from mcore_helpers import assert_same, mcore_save_on_cpu, poison, tensors
 from megatron_lm_helpers import (
     LLAMA_FLAGS,
     TRAIN,
+    fp32_optimizer,
     mcore_llama,
     megatron_lm_args,
     megatron_lm_schedule,
@@ -32,7 +33,6 @@ def _megatron_lm_run_state(rank, world, root, fmt):
     resuming it in the same world: what each side holds, by parameter name."""
     from megatron.core import dist_checkpointing as mcore_dist_checkpointing
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
-    from megatron.core.optimizer.optimizer import FP32Optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     llama = mcore_llama()
@@ -43,10 +43,7 @@ def _megatron_lm_run_state(rank, world, root, fmt):
         gen = torch.Generator().manual_seed(zlib.crc32(n.encode()) + (1000 * rank if split else 0))
         p.grad = torch.randn(p.shape, generator=gen)
     adam.step()
-    # Megatron-LM's FP32Optimizer without its constructor, which makes a CUDA tensor for the loss scale
-    # that the sharded state does not use.
-    optimizer = object.__new__(FP32Optimizer)
-    optimizer.optimizer = adam
+    optimizer = fp32_optimizer(adam)  # Megatron-LM's FP32Optimizer
     model_sd = llama.sharded_state_dict()
     state = {"args": megatron_lm_args(tensor_model_parallel_size=2, lr=3e-4, min_lr=3e-5, weight_decay=0.1)}
     state |= {"checkpoint_version": 3.0, "iteration": 7, "num_floating_point_operations_so_far": 1.0e9}
@@ -117,24 +114,12 @@ def _megatron_core_load(root: str, iteration: int):
     from megatron.core import dist_checkpointing as mcore_dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from megatron.core.optimizer import OptimizerConfig, _get_param_groups
-    from megatron.core.optimizer.optimizer import FP32Optimizer
 
     llama = mcore_llama()
     poison(llama)
     groups = _get_param_groups([llama], OptimizerConfig(lr=1e-3, weight_decay=0.01), None)  # megatron-core's
     adam = torch.optim.Adam(groups, lr=1e-3, weight_decay=0.01)
-    optimizer = object.__new__(FP32Optimizer)  # its constructor makes a CUDA tensor (the loss scale)
-
-    def init_state_fn(opt, config=None):  # megatron-core's, for Adam
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if not opt.state[p]:
-                    opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"] = (
-                        torch.zeros_like(p),
-                        torch.zeros_like(p),
-                    )
-
-    optimizer.optimizer, optimizer.config, optimizer.init_state_fn = adam, None, init_state_fn
+    optimizer = fp32_optimizer(adam)
     model_sd = llama.sharded_state_dict()
     request = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
     # Megatron-LM's --dist-ckpt-strictness log_all: its layers' _extra_state objects (Transformer Engine's
