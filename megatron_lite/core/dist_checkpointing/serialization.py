@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from megatron_lite.core.dist_checkpointing.mapping import ShardedTensor
 from megatron_lite.core.dist_checkpointing.strategies.torch import (
@@ -95,6 +95,24 @@ def save(pieces: list[ShardedTensor], checkpoint_dir: str) -> None:
 def load_metadata(checkpoint_dir: str) -> Metadata:
     """DCP's ``.metadata`` of ``checkpoint_dir``, read without running code from it."""
     return SafeFileSystemReader(checkpoint_dir).read_metadata()
+
+
+def read_object_bytes(checkpoint_dir: str, metadata: Metadata, key: str) -> bytes | None:
+    """The bytes DCP stored for the object ``key`` (a megatron-core ShardedObject's unique key, as
+    ``common_state/shard_0_1``), read from its data file as they are: DCP's own load would unpickle
+    them with ``weights_only=False``. None when the checkpoint holds no such object."""
+    if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
+        return None
+    infos = [info for index, info in (metadata.storage_data or {}).items() if index.fqn == key]
+    if len(infos) != 1 or getattr(infos[0], "transform_descriptors", None):
+        raise CheckpointingException(f"{key} is stored in a form megatron_lite does not read")
+    info = infos[0]
+    with open(os.path.join(checkpoint_dir, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    if len(data) != info.length:
+        raise CheckpointingException(f"{info.relative_path} is cut short")
+    return data
 
 
 def missing_or_mismatched(pieces: list[ShardedTensor], metadata: Metadata) -> list[str]:

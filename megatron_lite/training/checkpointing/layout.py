@@ -9,9 +9,15 @@ import json
 import os
 
 from megatron_lite.core import parallel_state
+from megatron_lite.core.dist_checkpointing.serialization import (
+    CheckpointingException,
+    load_metadata,
+    read_object_bytes,
+)
 from megatron_lite.training.checkpointing import megatron_lm
 from megatron_lite.training.checkpointing.distrib_optim import get_distributed_optimizer_checkpoint_name
 from megatron_lite.training.checkpointing.megatron_lm_out import unchained
+from megatron_lite.training.checkpointing.megatron_lm_pickles import SavedBytes
 from megatron_lite.training.checkpointing.safety import CheckpointError, load_checkpoint_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -189,9 +195,10 @@ def read_common(root: str, iteration: int, flag: str = "--load") -> dict:
     """A ``torch_dist`` checkpoint's ``common.pt`` (iteration, config, layout, schedule, RNG, ...),
     read without running code from it; Megatron-LM's as megatron_lm.as_megatron_lite gives it."""
     path = os.path.join(root, f"iter_{iteration:07d}", COMMON)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{flag} {root}: iteration {iteration} is incomplete (no {COMMON})")
-    common = load_checkpoint_file(path, root, legacy=False)
+    if os.path.exists(path):
+        common = load_checkpoint_file(path, root, legacy=False)
+    else:
+        common = _common_state_object(root, iteration, flag)
     if megatron_lm.is_megatron_lm(common):
         common = megatron_lm.as_megatron_lite(common, f"{flag} {root}", legacy=False)
     elif isinstance(common, dict) and isinstance(common.get("optimizer"), dict):
@@ -199,6 +206,38 @@ def read_common(root: str, iteration: int, flag: str = "--load") -> dict:
     if not isinstance(common, dict) or not isinstance(common.get("config"), dict):
         raise CheckpointError(f"{flag} {root}: iteration {iteration}: {COMMON} is not a megatron_lite one")
     return common
+
+
+# Where megatron-core keeps the common state since 2026 (Megatron-LM's HEAD): one ShardedObject in the
+# DCP checkpoint, instead of common.pt.
+COMMON_STATE_OBJECT = "common_state/shard_0_1"
+
+
+def _common_state_object(root: str, iteration: int, flag: str):
+    directory = os.path.join(root, f"iter_{iteration:07d}")
+    try:
+        metadata = load_metadata(directory)
+    except Exception:  # no (or no readable) .metadata: not a checkpoint yet
+        raise CheckpointError(f"{flag} {root}: iteration {iteration} is incomplete (no {COMMON})") from None
+    try:
+        data = read_object_bytes(directory, metadata, COMMON_STATE_OBJECT)
+    except (OSError, CheckpointingException) as err:
+        raise CheckpointError(
+            f"{flag} {root}: iteration {iteration}: cannot read its common state: {err}"
+        ) from None
+    if data is None:
+        raise CheckpointError(f"{flag} {root}: iteration {iteration} is incomplete (no {COMMON})")
+    # megatron-core's planner stores ``torch.save([common])`` as it is; DCP's own pickles the io.BytesIO
+    # holding it (rebuilt as its bytes): Megatron-LM reads both.
+    name = os.path.join(directory, COMMON_STATE_OBJECT)
+    saved = load_checkpoint_file(name, root, legacy=False, data=data)
+    if isinstance(saved, SavedBytes):
+        saved = load_checkpoint_file(name, root, legacy=False, data=saved.value)
+    if not isinstance(saved, list) or len(saved) != 1:
+        raise CheckpointError(
+            f"{flag} {root}: iteration {iteration}: its common state is not megatron-core's"
+        )
+    return saved[0]
 
 
 def check_layout(root: str, iteration: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import io
 import os
 import pickle
 import re
@@ -95,7 +96,7 @@ def plain(value):
     return repr(value)
 
 
-def _disallowed_globals(path: str, err: Exception) -> str | None:
+def _disallowed_globals(path, err: Exception) -> str | None:
     """The globals weights_only refused, read from the file's pickle opcodes (nothing is called), or
     from the unpickler's message; None when it refused something else (a corrupt or foreign pickle)."""
     allowed = {
@@ -117,12 +118,15 @@ def _unpickler_reason(err: Exception) -> str:
     return reason.group(1).strip().splitlines()[0][:100] if reason else "an unsupported pickle"
 
 
-def load_checkpoint_file(path: str, root: str, legacy: bool = True, mmap: bool = False):
+def load_checkpoint_file(
+    path: str, root: str, legacy: bool = True, mmap: bool = False, data: bytes | None = None
+):
     """``torch.load`` of one of our checkpoint files, never running code from it.
 
     ``legacy``: also allow what older megatron_lite versions wrote into this kind of file
     (LEGACY_GLOBALS; only model_optim_rng.pt ever held them). What Megatron-LM writes into its own
-    checkpoints is always allowed, rebuilt as plain data (megatron_lm_pickles.py). ``mmap``: map the tensors' storages
+    checkpoints is always allowed, rebuilt as plain data (megatron_lm_pickles.py). ``data``: the file's
+    bytes, read from elsewhere (``path`` names them). ``mmap``: map the tensors' storages
     instead of reading them, so that a caller taking a few tensors (or only the config) of a big
     shard reads only those pages (a file of torch's older, non-zip format is read whole). Raises
     CheckpointError (one line, naming ``path`` relative to ``root``) for a file that holds a type
@@ -134,6 +138,8 @@ def load_checkpoint_file(path: str, root: str, legacy: bool = True, mmap: bool =
         allowed = (LEGACY_GLOBALS if legacy else NUMPY_GLOBALS) + MEGATRON_LM_GLOBALS
         with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's note on pickle protocols: the refusal says it all
+            if data is not None:
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             mmap = mmap and zipfile.is_zipfile(path)  # torch maps only its zip format
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
@@ -141,7 +147,7 @@ def load_checkpoint_file(path: str, root: str, legacy: bool = True, mmap: bool =
             raise CheckpointError(
                 f"--load {root}: cannot read {shard} (UnpicklingError); the file is corrupt"
             ) from None
-        disallowed = _disallowed_globals(path, err)
+        disallowed = _disallowed_globals(path if data is None else io.BytesIO(data), err)
         if disallowed is None:
             raise CheckpointError(
                 f"--load {root}: cannot read {shard} ({_unpickler_reason(err)}); the file is corrupt or "

@@ -8,11 +8,13 @@ megatron-core as Megatron-LM's resume with ``--use-distributed-optimizer`` reads
 
 from __future__ import annotations
 
+import copy
 import os
 import zlib
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_helpers import run_world
 from mcore_helpers import mcore_save_on_cpu
 from megatron_lm_helpers import (
@@ -55,6 +57,8 @@ def _their_run_and_our_resume(rank, world, root, layout):
     then megatron_lite resuming it in the same world: each side's moments by parameter name."""
     from megatron.core import dist_checkpointing as mcore_dist_checkpointing
     from megatron.core import parallel_state as mps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
     from megatron_lite.core import parallel_state
@@ -71,6 +75,10 @@ def _their_run_and_our_resume(rank, world, root, layout):
         metadata = {"chained_optim_avoid_prefix": layout == "chained"}
         optimizer_state = chained.sharded_state_dict(model_sd, metadata=metadata)
         args = megatron_lm_args(**MOE_ARGS)
+    elif layout == "common_state_object":  # a non-distributed optimizer, as test_megatron_lm_resume's
+        adams = [_adam_after_a_step(model, rank, lambda _, p: getattr(p, "tensor_model_parallel", False))]
+        optimizer_state = fp32_optimizer(adams[0]).sharded_state_dict(model_sd)
+        args = megatron_lm_args(tensor_model_parallel_size=2)
     else:
         adam = _adam_after_a_step(model, rank, lambda _, p: getattr(p, "tensor_model_parallel", False))
         optimizer_state = fully_reshardable(
@@ -94,8 +102,14 @@ def _their_run_and_our_resume(rank, world, root, layout):
         torch.save(state | {"model": model.state_dict(), "optimizer": chained.state_dict()}, shard)
     else:
         os.makedirs(directory, exist_ok=True)
+        if layout == "common_state_object":  # Megatron-LM's HEAD: the common state inside the DCP files
+            _, common = save_preprocess(copy.deepcopy(state), validate_access_integrity=False)
+            state["common_state"] = ShardedObject("common_state", common, (1,), (0,), replica_id=rank)
         with mcore_save_on_cpu():
             mcore_dist_checkpointing.save(state, directory)
+        dist.barrier()
+        if layout == "common_state_object" and rank == 0:
+            os.remove(os.path.join(directory, "common.pt"))  # which megatron-core 0.16 still writes
     track_latest(root, 7)
     names = {id(p): n for n, p in model.named_parameters()}
     theirs = {
@@ -112,18 +126,27 @@ def _their_run_and_our_resume(rank, world, root, layout):
         if moe
         else ["--tensor-model-parallel-size", "2"]
     )
-    distributed = [] if moe else ["--use-distributed-optimizer"]
+    distributed = ["--use-distributed-optimizer"] if layout == "fully_reshardable" else []
     _, ours = our_resume(
         [*TRAIN, "--load", root, *parallel, *distributed, "--use-checkpoint-opt-param-scheduler"]
     )
     parallel_state.destroy_model_parallel()
-    return dict(theirs=theirs, ours=ours, prefixed=any(k.startswith("chained_1.") for k in saved_keys))
+    common_pt = os.path.exists(os.path.join(directory, "common.pt"))
+    return dict(
+        theirs=theirs,
+        ours=ours,
+        prefixed=any(k.startswith("chained_1.") for k in saved_keys),
+        common_pt=common_pt,
+    )
 
 
-@pytest.mark.parametrize("layout", ["fully_reshardable", "chained", "chained_prefixed", "chained_torch"])
+@pytest.mark.parametrize(
+    "layout", ["fully_reshardable", "chained", "chained_prefixed", "chained_torch", "common_state_object"]
+)
 def test_a_megatron_lm_optimizer_layout_resumes_with_its_moments(tmp_path, layout):
     for rank, r in enumerate(run_world(_their_run_and_our_resume, 2, str(tmp_path / "run"), layout)):
         assert r["prefixed"] == (layout == "chained_prefixed")  # the layout is the one meant
+        assert r["common_pt"] == (layout not in ("chained_torch", "common_state_object"))
         assert r["ours"].keys() == r["theirs"].keys(), sorted(r["ours"].keys() ^ r["theirs"].keys())
         for name, (exp_avg, exp_avg_sq, step) in r["theirs"].items():
             ours = r["ours"][name]
