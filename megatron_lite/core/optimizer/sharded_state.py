@@ -84,7 +84,8 @@ def load_common_state(optimizer, common: dict) -> None:
     """Hyper-parameters and the step count from ``common_state``, after the tensors were read."""
     # By weight-decay multiplier, not position: an optimizer leaves out a group it has no parameter
     # for, so ranks (and layouts) may hold different numbers of groups.
-    saved_groups = {g.get("wd_mult"): g for g in common["param_groups"]}
+    # The first group of a multiplier wins (a chained optimizer's dense part before its experts').
+    saved_groups = {g.get("wd_mult"): g for g in reversed(common["param_groups"])}
     for group in optimizer.optimizer.param_groups:
         # Only the hyper-parameters this optimizer has (a checkpoint may carry megatron-core's keys too).
         saved = saved_groups.get(group.get("wd_mult"), {})

@@ -217,8 +217,15 @@ def _common_state_object(root: str, iteration: int, flag: str):
     directory = os.path.join(root, f"iter_{iteration:07d}")
     try:
         metadata = load_metadata(directory)
-    except Exception:  # no (or no readable) .metadata: not a checkpoint yet
+    except FileNotFoundError:  # no .metadata: not a checkpoint yet
         raise CheckpointError(f"{flag} {root}: iteration {iteration} is incomplete (no {COMMON})") from None
+    except CheckpointError:
+        raise
+    except Exception as err:  # a refused or damaged .metadata
+        raise CheckpointError(
+            f"{flag} {root}: iteration {iteration}: cannot read its .metadata "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
+        ) from None
     try:
         data = read_object_bytes(directory, metadata, COMMON_STATE_OBJECT)
     except (OSError, CheckpointingException) as err:

@@ -23,7 +23,7 @@ The distributed optimizer's ``torch_dist`` state in model space (megatron-core's
 ``--dist-ckpt-optim-fully-reshardable``) is the same tensors, its common part the inner optimizer's
 param groups (the step in each). Its bucket-space layouts (``distrib_optim.pt``, ``dp_reshardable``,
 Megatron-LM's default) are laid out by megatron-core's gradient buffers, which Megatron-LM itself
-cannot reshard: refused, with the reason.
+reads only at the saved tp / pp: refused, with the reason.
 """
 
 from __future__ import annotations
@@ -205,10 +205,12 @@ def chained_keys(pieces: list, saved_keys) -> None:
     """Older Megatron-LM prefixes a chained optimizer's tensors with its part's index
     (``chained_1.optimizer.state.exp_avg.<key>``; since megatron-core 0.13 only its bucket-space
     layouts do): a piece the checkpoint lacks under its own key reads the one prefixed, in place."""
-    saved_keys = set(saved_keys)
+    prefixed = {}
+    for key in saved_keys:
+        part, dot, rest = key.partition(".")
+        if dot and part.startswith("chained_") and part[len("chained_") :].isdigit():
+            prefixed.setdefault(rest, key)
+    saved = set(saved_keys)
     for piece in pieces:
-        if piece.key.startswith("optimizer.") and piece.key not in saved_keys:
-            piece.key = next(
-                (f"chained_{i}.{piece.key}" for i in range(8) if f"chained_{i}.{piece.key}" in saved_keys),
-                piece.key,
-            )
+        if piece.key.startswith("optimizer.") and piece.key not in saved:
+            piece.key = prefixed.get(piece.key, piece.key)

@@ -80,7 +80,9 @@ def megatron_lm_args(cfg, train_state, world_size: int, data_parallel_size: int)
 def chained_parts(named_parameters) -> list[set[float]] | None:
     """A MoE model's two optimizers in Megatron-LM (megatron-core's ``get_megatron_optimizer``: the
     dense parameters', then the experts'), as the weight-decay multipliers of the param groups each
-    holds (its loader matches saved groups to them one for one); None without experts."""
+    holds (its loader matches saved groups to them one for one); None without experts. Read from the
+    saving rank's stage (rank 0): a pipeline stage without MoE layers has one optimizer in
+    Megatron-LM, whose load of this chained state then fails, as it does for its own checkpoints."""
     parts: list[set[float]] = [set(), set()]
     for name, param in named_parameters:
         parts[".experts." in name].add(1.0 if param.ndim >= 2 else 0.0)
@@ -95,6 +97,8 @@ def megatron_lm_optimizer(
     ``min_lr``, which its groups always hold) and FusedAdam's per-group ``step`` and
     ``bias_correction``, and the step as ``state.common_step`` (torch's Adam; at the top level for
     ``FP32Optimizer``, under ``optimizer`` for mixed precision, where the fp32 main weights are saved).
+    With the distributed optimizer, ``DistributedOptimizer``'s form; ``fp32_weights`` (the model's
+    weights are fp32, so Megatron-LM's ``FP32Optimizer`` may resume it too) adds the groups flat.
     ``parts`` (``chained_parts``): a MoE model's, which Megatron-LM steps with a chained optimizer:
     one such state per part, keyed 0, 1, each with the groups of its part (the experts'
     ``is_expert_parallel``); ``unchained`` gives ours back."""
@@ -120,9 +124,12 @@ def _megatron_lm_form(common, max_lr, min_lr, fp32_weights: bool, expert: bool, 
 
 
 def unchained(optimizer: dict) -> dict:
-    """Our optimizer common state from ``megatron_lm_optimizer``'s (a chained one's first part: each
-    part carries all of ours)."""
-    return optimizer[0] if 0 in optimizer else optimizer
+    """Our optimizer common state from ``megatron_lm_optimizer``'s: a chained one's first part with
+    every part's param groups (each part holds only its own)."""
+    if 0 not in optimizer:
+        return optimizer
+    parts = [optimizer[k] for k in sorted(k for k in optimizer if isinstance(k, int))]
+    return {**parts[0], "param_groups": [g for part in parts for g in part["param_groups"]]}
 
 
 def content_metadata(distributed: bool) -> dict:

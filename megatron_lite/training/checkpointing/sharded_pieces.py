@@ -91,14 +91,13 @@ def sharded_pieces(
     fp32_from: str | None = FP32_PARAM,
     moments: bool = True,
     fp32_weights_from: str = "",
-    saving: bool = False,
+    every_fp32: bool = False,
 ):
     """This rank's pieces of the checkpoint's tensors: its weights, and with ``with_optimizer`` its
     optimizer state (of its own shard with the distributed optimizer; ``moments`` False: its fp32
     main parameters only). ``fp32_weights_from``: the prefix fp32 weights are read from (a load into
     an fp32 model of a checkpoint with fp32 main parameters beside lower-precision weights).
-    ``saving`` with the distributed optimizer: every parameter's fp32 main weights, named as
-    megatron-core's distributed optimizer saves them (Megatron-LM's resume with it reads them)."""
+    ``every_fp32``: every parameter's fp32 main weights, fp32 ones' too (torch_dist.fp32_mains)."""
     placement = _placement(model, model_cfg)
     dp_first = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     edp_first = parallel_state.get_expert_data_parallel_rank() == 0
@@ -113,9 +112,17 @@ def sharded_pieces(
             p: (slabs, _replica(rep, ro, sharded or (edp_first if ex else dp_first), ex))
             for p, (slabs, rep, ro, ex) in placement.items()
         }
-        if saving and sharded:  # megatron-core's distributed optimizer's layout
-            fp32_from = DISTRIBUTED_FP32_PARAM
         pieces += optimizer_pieces(
-            optimizer, optim, fp32_from=fp32_from, moments=moments, every_fp32=sharded and saving
+            optimizer, optim, fp32_from=fp32_from, moments=moments, every_fp32=every_fp32
         )
     return pieces
+
+
+def fp32_mains(model, optimizer) -> tuple[str, bool, bool]:
+    """Which fp32 main parameters a save writes: (their name, every parameter's, any at all). With
+    lower-precision weights, their fp32 copies (``optimizer.state.fp32_param.``); with the distributed
+    optimizer, every parameter's, as megatron-core's DistributedOptimizer saves them (under its
+    fully_reshardable name, ``optimizer.state.param.``, so Megatron-LM's resume with it reads them)."""
+    lower = any(p.dtype != torch.float32 for c in model_chunks(model) for p in c.parameters())
+    distributed = uses_distributed_optimizer(optimizer)
+    return (DISTRIBUTED_FP32_PARAM if distributed else FP32_PARAM), distributed, lower or distributed

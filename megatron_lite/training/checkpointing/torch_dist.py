@@ -30,7 +30,6 @@ from megatron_lite.core.dist_checkpointing import (
     plan_save,
 )
 from megatron_lite.core.optimizer.sharded_state import (
-    DISTRIBUTED_FP32_PARAM,
     FP32_PARAM,
     common_state,
     load_common_state,
@@ -40,7 +39,6 @@ from megatron_lite.training.checkpointing.agreement import agree
 from megatron_lite.training.checkpointing.async_save import async_writer, finalize_async_save, finish_save
 from megatron_lite.training.checkpointing.commit import begin_checkpoint, end_checkpoint, save_error
 from megatron_lite.training.checkpointing.compat import resharded_model_error, saved_split
-from megatron_lite.training.checkpointing.distrib_optim import uses_distributed_optimizer
 from megatron_lite.training.checkpointing.layout import CHECKPOINT_VERSION, COMMON, model_chunks, read_common
 from megatron_lite.training.checkpointing.megatron_lm_optimizer import chained_keys
 from megatron_lite.training.checkpointing.megatron_lm_out import (
@@ -52,7 +50,7 @@ from megatron_lite.training.checkpointing.megatron_lm_out import (
 from megatron_lite.training.checkpointing.reshard import describe_layout
 from megatron_lite.training.checkpointing.rng import rng_state, set_rng_state
 from megatron_lite.training.checkpointing.safety import CheckpointError, plain
-from megatron_lite.training.checkpointing.sharded_pieces import layout_record, sharded_pieces
+from megatron_lite.training.checkpointing.sharded_pieces import fp32_mains, layout_record, sharded_pieces
 from megatron_lite.training.initialize import seed_rank_generators
 from megatron_lite.utils.atomic_io import atomic_write_bytes
 
@@ -65,11 +63,7 @@ SHARDED_BACKEND = {
 
 
 def _common(state, model, optimizer, scheduler, rngs: list) -> dict:
-    # Lower-precision weights: the fp32 main parameters are saved beside them (the same on every rank).
-    lower = any(p.dtype != torch.float32 for c in model_chunks(model) for p in c.parameters())
-    distributed = uses_distributed_optimizer(
-        optimizer
-    )  # every parameter's, as megatron-core's (sharded_pieces)
+    prefix, distributed, saved = fp32_mains(model, optimizer)
     layout = layout_record(state.cfg.model)
     return {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -82,12 +76,12 @@ def _common(state, model, optimizer, scheduler, rngs: list) -> dict:
             {
                 **common_state(optimizer),
                 "use_distributed_optimizer": distributed,
-                "fp32_param": lower or distributed,
-                "fp32_param_prefix": DISTRIBUTED_FP32_PARAM if distributed else FP32_PARAM,
+                "fp32_param": saved,
+                "fp32_param_prefix": prefix,
             },
             state.cfg.optimizer.lr,
             state.cfg.optimizer.min_lr,
-            fp32_weights=not lower,
+            fp32_weights=all(p.dtype == torch.float32 for c in model_chunks(model) for p in c.parameters()),
             parts=chained_parts(n_p for c in model_chunks(model) for n_p in c.named_parameters()),
         ),
         "rng_state": rngs,
@@ -119,7 +113,10 @@ def save_distributed(state, model, optimizer, scheduler) -> None:
         if dist.get_rank() == 0:
             common = _common(state, model, optimizer, scheduler, rngs)
             atomic_write_bytes(os.path.join(tmp_root, COMMON), lambda f: torch.save(common, f))
-        pieces = sharded_pieces(model, optimizer, state.cfg.model, with_optimizer=True, saving=True)
+        prefix, every, _ = fp32_mains(model, optimizer)
+        pieces = sharded_pieces(
+            model, optimizer, state.cfg.model, with_optimizer=True, fp32_from=prefix, every_fp32=every
+        )
     except Exception as err:
         error = save_error("--save", root, iteration, err)
     agree(error, cleanup=tmp_root)

@@ -1,7 +1,8 @@
 """Megatron-LM's other optimizer layouts in ``torch_dist``, resumed in megatron_lite with their moments:
 the distributed optimizer's state in model space (the ``fully_reshardable`` Megatron-LM writes with
-``--dist-ckpt-optim-fully-reshardable``; megatron-core 0.16 can no longer write the older
-``fully_sharded_model_space``, whose tensors are ours key for key), and a MoE model's chained optimizer
+``--dist-ckpt-optim-fully-reshardable``; ``fully_sharded_model_space``, still megatron-core's default,
+builds ShardedTensors with a ``flattened_range`` that its 0.16 ShardedTensor refuses, so it is not
+written here: its keys are ours), and a MoE model's chained optimizer
 (dense and expert parts, megatron-core's ``ChainedOptimizer``), with and without the ``chained_<i>.``
 prefix older Megatron-LM gave its tensors, and in its ``torch`` format (a list of the parts' states). And back: our distributed optimizer's checkpoint read by
 megatron-core as Megatron-LM's resume with ``--use-distributed-optimizer`` reads it."""
@@ -84,7 +85,7 @@ def _their_run_and_our_resume(rank, world, root, layout):
         optimizer_state = fully_reshardable(
             model,
             lambda p: {
-                "param": p.detach(),
+                "param": p.detach() + 1,  # not the weights: where our run takes its fp32 weights from
                 "exp_avg": adam.state[p]["exp_avg"],
                 "exp_avg_sq": adam.state[p]["exp_avg_sq"],
             },
@@ -127,16 +128,22 @@ def _their_run_and_our_resume(rank, world, root, layout):
         else ["--tensor-model-parallel-size", "2"]
     )
     distributed = ["--use-distributed-optimizer"] if layout == "fully_reshardable" else []
-    _, ours = our_resume(
+    setup, ours = our_resume(
         [*TRAIN, "--load", root, *parallel, *distributed, "--use-checkpoint-opt-param-scheduler"]
     )
     parallel_state.destroy_model_parallel()
     common_pt = os.path.exists(os.path.join(directory, "common.pt"))
+    weights = {n.removeprefix("module."): p.detach() for n, p in setup.model[0].named_parameters()}
+    their_fp32 = (
+        {n: p.detach() + 1 for n, p in model.named_parameters()} if layout == "fully_reshardable" else {}
+    )
     return dict(
         theirs=theirs,
         ours=ours,
         prefixed=any(k.startswith("chained_1.") for k in saved_keys),
         common_pt=common_pt,
+        weights=weights,
+        their_fp32=their_fp32,
     )
 
 
@@ -154,3 +161,5 @@ def test_a_megatron_lm_optimizer_layout_resumes_with_its_moments(tmp_path, layou
             assert torch.equal(ours[0].view(-1), exp_avg.view(-1)), (rank, name)
             assert torch.equal(ours[1].view(-1), exp_avg_sq.view(-1)), (rank, name)
             assert ours[2] == step == 1.0
+        for name, fp32 in r["their_fp32"].items():  # an fp32 run's weights are the fp32 main weights
+            assert torch.equal(r["weights"][name], fp32), (rank, name)

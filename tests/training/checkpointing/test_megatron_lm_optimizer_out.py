@@ -23,14 +23,27 @@ from megatron_lm_helpers import (
 pytestmark = pytest.mark.world  # every test here starts processes
 
 
-def _megatron_core_reads_our_distributed_optimizer(rank, world, root):
+def _our_mains(setup) -> dict:
+    """Our optimizer's fp32 main parameters by name, each a flat tensor (the distributed optimizer's
+    shards of a parameter in order: all of it at dp 1)."""
+    names = {id(p): n.removeprefix("module.") for n, p in setup.model[0].named_parameters()}
+    parts: dict = {}
+    for unit in sorted(setup.optimizer.units, key=lambda u: u.start):
+        parts.setdefault(names[id(unit.param)], []).append(unit.main.detach().view(-1))
+    return {name: torch.cat(flat) for name, flat in parts.items()}
+
+
+def _megatron_core_reads_our_distributed_optimizer(rank, world, root, precision):
     """Megatron-LM's resume with ``--use-distributed-optimizer`` of our checkpoint, with megatron-core's
     code where it runs without CUDA: the content metadata it lays its request out by, the load of
-    that request (the model and ``fully_reshardable``'s tensors), the common part
-    ``DistributedOptimizer.load_state_dict`` reads; beside our own resume of the same checkpoint."""
+    that request (the model and ``fully_reshardable``'s tensors), whether each of its runtime param
+    groups (``_get_param_groups``) finds its saved group by megatron-core's identifier keys, as
+    ``DistributedOptimizer.load_state_dict`` looks them up; beside our own resume of the same checkpoint."""
     from megatron.core import dist_checkpointing as mcore_dist_checkpointing
     from megatron.core import parallel_state as mps
     from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
     from megatron_lite.core import parallel_state
 
@@ -42,37 +55,42 @@ def _megatron_core_reads_our_distributed_optimizer(rank, world, root):
     request = {"model": llama.sharded_state_dict()}
     request["optimizer"] = fully_reshardable(llama, lambda p: {k: torch.empty_like(p) for k in names})
     loaded = mcore_dist_checkpointing.load(request, directory, strict=StrictHandling.LOG_ALL)
-    llama.load_state_dict(loaded["model"], strict=False)
     params = [n for n, _ in llama.named_parameters() if n in request["model"]]
     state = loaded["optimizer"]["param_state"]
     theirs = {name: {k: state[i][k] for k in names} for i, name in enumerate(params)}
-    weights = {n: p.detach().clone() for n, p in llama.named_parameters()}
     common = {k: v for k, v in loaded["optimizer"].items() if k != "param_state"}
+    saved = {tuple(g[k] for k in param_group_identifier_keys) for g in common["optimizer"]["param_groups"]}
+    runtime = _get_param_groups([llama], OptimizerConfig(lr=1e-3, weight_decay=0.01), None)
+    unmatched = [g for g in runtime if tuple(g[k] for k in param_group_identifier_keys) not in saved]
     mps.destroy_model_parallel()
     argv = [*LLAMA_FLAGS, *TRAIN[:-3], "--load", root, "--use-distributed-optimizer", "--train-iters", "4"]
-    _, ours = our_resume([*argv, "--use-checkpoint-opt-param-scheduler"])
+    argv += ["--bf16"] if precision == "bf16" else []
+    setup, ours = our_resume([*argv, "--use-checkpoint-opt-param-scheduler"])
+    mains = _our_mains(setup)
     parallel_state.destroy_model_parallel()
-    return dict(content=content, common=common, theirs=theirs, weights=weights, ours=ours)
+    return dict(content=content, common=common, unmatched=unmatched, theirs=theirs, ours=ours, mains=mains)
 
 
-def test_megatron_lm_resumes_our_distributed_optimizer_state(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_megatron_lm_resumes_our_distributed_optimizer_state(tmp_path, precision):
+    """bf16: the fp32 main weights Megatron-LM reads are ours, not the bf16 weights."""
     run = [*LLAMA_FLAGS, *TRAIN[:-3], "--train-iters", "3", "--lr", "1e-3", "--use-distributed-optimizer"]
     run += ["--save", "ours", "--ckpt-format", "torch_dist", "--save-interval", "3", "--nproc-per-node", "2"]
+    run += ["--bf16"] if precision == "bf16" else []
     result = run_pretrain(run, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    for r in run_world(_megatron_core_reads_our_distributed_optimizer, 2, str(tmp_path / "ours")):
+    for r in run_world(_megatron_core_reads_our_distributed_optimizer, 2, str(tmp_path / "ours"), precision):
         assert r["content"]["distrib_optim_sharding_type"] == "fully_reshardable"
         assert r["content"]["chained_optim_avoid_prefix"] is True
         assert r["common"]["param_state_sharding_type"] == "fully_reshardable"
-        for group in r["common"]["optimizer"]["param_groups"]:  # what load_state_dict matches and steps by
-            assert {"wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"} <= group.keys()
-            assert group["step"] == 3
-        assert r["theirs"].keys() == r["ours"].keys()
+        assert r["unmatched"] == []
+        assert {g["step"] for g in r["common"]["optimizer"]["param_groups"]} == {3}
+        assert r["theirs"].keys() == r["ours"].keys() == r["mains"].keys()
         for name, t in r["theirs"].items():
             exp_avg, exp_avg_sq, step = r["ours"][name]
             assert torch.equal(t["exp_avg"].view(-1), exp_avg.view(-1)), name
             assert torch.equal(t["exp_avg_sq"].view(-1), exp_avg_sq.view(-1)), name
-            assert torch.equal(t["param"], r["weights"][name]) and step == 3.0, name
+            assert torch.equal(t["param"].view(-1), r["mains"][name]) and step == 3.0, name
 
 
 MIXTRAL_FLAGS = [*LLAMA_FLAGS[: LLAMA_FLAGS.index("--tensor-model-parallel-size")], "--nproc-per-node", "2"]
