@@ -60,6 +60,8 @@ FILES: dict[str, UpstreamFile] = {
         "lm", "tests/unit_tests/tensor_parallel/test_tp_attrs_without_init.py", 8
     ),
     "test_schedules": UpstreamFile("lm", "tests/unit_tests/pipeline_parallel/test_schedules.py", 8),
+    "test_mapping": UpstreamFile("lm", "tests/unit_tests/dist_checkpointing/test_mapping.py"),
+    "test_validation": UpstreamFile("lm", "tests/unit_tests/dist_checkpointing/test_validation.py"),
 }
 
 SCOPE_DIR = Path(__file__).with_name("upstream_tests_scope")

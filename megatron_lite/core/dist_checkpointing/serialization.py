@@ -17,16 +17,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+# CheckpointingException lived here before core.py; importing it from here still works.
+from megatron_lite.core.dist_checkpointing.core import CheckpointingException
 from megatron_lite.core.dist_checkpointing.mapping import ShardedTensor
 from megatron_lite.core.dist_checkpointing.strategies.torch import (
     SafeFileSystemReader,
     ShardedLoadPlanner,
     ShardedSavePlanner,
 )
-
-
-class CheckpointingException(Exception):
-    """A checkpoint that cannot be saved or does not hold what a load asks for (megatron-core's name)."""
 
 
 class SaveRequest:
@@ -100,7 +98,7 @@ def load_metadata(checkpoint_dir: str) -> Metadata:
 def read_object_bytes(checkpoint_dir: str, metadata: Metadata, key: str) -> bytes | None:
     """The bytes DCP stored for the object ``key`` (a megatron-core ShardedObject's unique key, as
     ``common_state/shard_0_1``), read from its data file as they are: DCP's own load would unpickle
-    them with ``weights_only=False``. None when the checkpoint holds no such object."""
+    them without the weights-only guard. None when the checkpoint holds no such object."""
     if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
         return None
     infos = [info for index, info in (metadata.storage_data or {}).items() if index.fqn == key]

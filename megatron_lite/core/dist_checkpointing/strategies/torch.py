@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_lite.core.dist_checkpointing.mapping import ShardedTensor
+from megatron_lite.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
 _DCP = "torch.distributed.checkpoint."
 # Exactly the classes DCP's own .metadata (and megatron-core's, with its cached save plans) is made of.
@@ -115,13 +115,14 @@ def _index(piece: ShardedTensor) -> tuple[str, tuple[int, ...]]:
 
 
 class ShardedSavePlanner(DefaultSavePlanner):
-    """Writes the main replica (``replica_id == 0``) of each piece. DCP's global plan checks that the
+    """Writes the main replica (``is_main_replica``) of each piece. DCP's global plan checks that the
     pieces of every tensor tile it exactly, neither overlapping nor leaving a gap."""
 
     def __init__(self, pieces: list[ShardedTensor]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = {_index(p): p.data for p in pieces if p.replica_id == 0}
-        self.shapes = {_index(p): tuple(p.global_shape) for p in pieces if p.replica_id == 0}
+        main = [p for p in pieces if is_main_replica(p.replica_id)]
+        self.pieces = {_index(p): p.data for p in main}
+        self.shapes = {_index(p): tuple(p.global_shape) for p in main}
 
     def set_up_planner(self, state_dict=None, storage_meta=None, is_coordinator: bool = False) -> None:
         self.state_dict, self.is_coordinator = {}, is_coordinator
