@@ -10,8 +10,7 @@ import re
 
 import pytest
 from dist_helpers import run_pretrain
-from test_memory_preflight import FIRST_STAGE_HEAVY, readme_cluster_argv
-from test_memory_preflight import _table as predicted_table
+from preflight_helpers import FIRST_STAGE_HEAVY, predicted_table, readme_cluster_argv
 
 from megatron_lite.run_modes.dry_run import NOT_SIMULATED
 

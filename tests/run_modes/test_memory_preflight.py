@@ -7,29 +7,14 @@ import io
 import json
 import os
 import re
-import shlex
 import time
 
 import pytest
-from dist_helpers import REPO, run_pretrain
+from dist_helpers import run_pretrain
+from preflight_helpers import FIRST_STAGE_HEAVY, predicted_table, readme_cluster_argv
+
 
 # Recomputation already full, one rank per stage, 16384 learned position rows on the first stage.
-FIRST_STAGE_HEAVY = (
-    "--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
-    "--max-position-embeddings 16384 --vocab-size 1024 --micro-batch-size 4 --global-batch-size 32 "
-    "--pipeline-model-parallel-size 4 --nproc-per-node 4 --recompute-granularity full "
-    "--recompute-method uniform --recompute-num-layers 1"
-).split()
-
-
-def readme_cluster_argv() -> list[str]:
-    """The flags of the README's torchrun example (32 layers, hidden 4096, tp 4 x pp 4, 16 ranks)."""
-    text = (REPO / "README.md").read_text()
-    block = re.search(r"torchrun --nnodes 2 --nproc-per-node 8 .*?\n(.*?)```", text, re.S).group(0)
-    command = shlex.split(block.replace("\\\n", " ").split("```")[0])
-    return command[command.index("pretrain.py") + 1 :] + ["--nproc-per-node", "16"]
-
-
 def _preflight(tmp_path, argv, device_gb):
     start = time.perf_counter()
     result = run_pretrain(
@@ -41,19 +26,12 @@ def _preflight(tmp_path, argv, device_gb):
     return result
 
 
-def _table(stdout: str) -> dict[int, float]:
-    """Stage -> predicted allocated peak in GB, from the printed table."""
-    number = r"\s+(-?[\d.]+(?:e-?\d+)?)"
-    rows = re.findall(r"^\s+(\d+)" + number * 7 + "$", stdout, re.M)
-    return {int(r[0]): float(r[6]) for r in rows}
-
-
 @pytest.mark.world
 def test_the_readme_cluster_example_fits_an_80_gb_gpu(tmp_path):
     argv = readme_cluster_argv()
     result = _preflight(tmp_path, argv, 80)
     assert result.returncode == 0, result.stdout
-    totals = _table(result.stdout)
+    totals = predicted_table(result.stdout)
     assert sorted(totals) == [0, 1, 2, 3]  # one row per pipeline stage
     assert all(0 < t <= 72 for t in totals.values())
     assert "verdict: fits" in result.stdout
@@ -62,7 +40,7 @@ def test_the_readme_cluster_example_fits_an_80_gb_gpu(tmp_path):
 @pytest.mark.world
 def test_a_layout_that_does_not_fit_names_the_stage_and_the_fix_that_makes_it_fit(tmp_path):
     argv = readme_cluster_argv()
-    totals = _table(_preflight(tmp_path, argv, 80).stdout)
+    totals = predicted_table(_preflight(tmp_path, argv, 80).stdout)
     device = round(max(totals.values()) * 0.8, 1)  # smaller than the peak stage needs
     result = _preflight(tmp_path, argv, device)
     assert result.returncode == 1
@@ -102,7 +80,7 @@ def test_a_first_stage_heavy_layout_is_fixed_by_moving_layers_to_the_last_stage(
     argv = FIRST_STAGE_HEAVY
     out = io.StringIO()
     assert preflight(argv, 100, out) == 0
-    totals = _table(out.getvalue())
+    totals = predicted_table(out.getvalue())
     device = round(max(totals.values()) * 0.95 / 0.9, 3)  # the peak stage misses by 5%
     out = io.StringIO()
     assert preflight(argv, device, out) == 1
@@ -120,7 +98,7 @@ def test_the_json_holds_the_table_the_verdict_and_the_fix(tmp_path):
     argv = [*readme_cluster_argv(), "--memory-preflight", "--memory-preflight-json", "preflight.json"]
     fits = run_pretrain([*argv, "--device-memory-gb", "80"], tmp_path, timeout=120)
     record = json.loads((tmp_path / "preflight.json").read_text())
-    table = _table(fits.stdout)
+    table = predicted_table(fits.stdout)
     assert [s["stage"] for s in record["stages"]] == sorted(table)
     for s in record["stages"]:
         parts = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes")

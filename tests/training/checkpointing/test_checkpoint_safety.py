@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoint_helpers import tree_digest
 from dist_helpers import SMALL_MODEL, loss_lines, ok, run_pretrain
-from test_checkpointing import tree_digest
 
 from megatron_lite.core.utils import init_method_normal
 from megatron_lite.training.arguments import parse_args
@@ -62,7 +62,7 @@ def _plant(path: Path, marker: Path) -> None:
     torch.save(payload, path)
 
 
-def _refused(tmp_path: Path, argv: list[str], shard: str, marker: Path) -> None:
+def refused(tmp_path: Path, argv: list[str], shard: str, marker: Path) -> None:
     before = tree_digest(tmp_path / "ckpt")
     result = run_pretrain([*argv, "--load", "ckpt", "--save", "ckpt"], tmp_path, timeout=120)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr
@@ -90,25 +90,25 @@ def _at_iteration_2(saved, tmp_path: Path) -> None:
 
 
 @pytest.mark.world
-def test_a_code_payload_in_model_optim_rng_is_refused(saved, tmp_path):
+def test_a_code_payload_in_model_optim_rng_isrefused(saved, tmp_path):
     _at_iteration_2(saved, tmp_path)
     path = tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
     # What megatron_lite writes needs nothing beyond torch's own weights-only allowlist.
     assert _only_torch_globals(path)
     marker = tmp_path / "PWNED"
     _plant(path, marker)
-    _refused(tmp_path, ITERS, "iter_0000002/mp_rank_00/model_optim_rng.pt", marker)
+    refused(tmp_path, ITERS, "iter_0000002/mp_rank_00/model_optim_rng.pt", marker)
 
 
 @pytest.mark.world
-def test_a_code_payload_in_distrib_optim_is_refused(tmp_path):
+def test_a_code_payload_in_distrib_optim_isrefused(tmp_path):
     ok(run_pretrain([*ITERS, *DIST_OPT, "--save", "ckpt", "--exit-interval", "2"], tmp_path))
     shard = tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00"
     for name in ("model_optim_rng.pt", "distrib_optim.pt"):
         assert _only_torch_globals(shard / name)
     marker = tmp_path / "PWNED"
     _plant(shard / "distrib_optim.pt", marker)
-    _refused(tmp_path, [*ITERS, *DIST_OPT], "iter_0000002/mp_rank_00/distrib_optim.pt", marker)
+    refused(tmp_path, [*ITERS, *DIST_OPT], "iter_0000002/mp_rank_00/distrib_optim.pt", marker)
 
 
 def _as_older_layout(path: Path) -> None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import time
 
 import pytest
+from checkpoint_helpers import BASE, refused
 from dist_helpers import SMALL_MODEL, loss_lines, ok, parse_losses, run_pretrain
 from job_helpers import Job, alive, children, rank_of
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -15,19 +15,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 pytestmark = pytest.mark.world  # every test here starts processes
 
 PP2_DP2 = ["--pipeline-model-parallel-size", "2", "--nproc-per-node", "4"]
-BASE = [*SMALL_MODEL, "--train-iters", "12", "--log-interval", "1"]
-
-
-def tree_digest(root) -> str:
-    digest = hashlib.sha256()
-    for dirpath, dirnames, filenames in sorted(os.walk(root)):
-        dirnames.sort()
-        for name in sorted(filenames):
-            path = os.path.join(dirpath, name)
-            digest.update(os.path.relpath(path, root).encode())
-            with open(path, "rb") as f:
-                digest.update(f.read())
-    return digest.hexdigest()
 
 
 def tb_steps(logdir, tag="lm loss") -> list[int]:
@@ -102,17 +89,6 @@ def test_missing_or_empty_load_dir_starts_fresh(tmp_path):
         assert sorted(parse_losses(result.stdout)) == [1, 2]
 
 
-def _refused(root, args, needle):
-    before = tree_digest(root / "ckpt")
-    result = run_pretrain([*BASE, *args, "--load", "ckpt", "--save", "ckpt"], root, timeout=120)
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0], result.stderr
-    assert "Traceback" not in result.stderr and "iteration " not in result.stdout
-    assert tree_digest(root / "ckpt") == before  # nothing overwritten
-    return lines[0]
-
-
 @pytest.fixture
 def saved_pp2(tmp_path):
     ok(
@@ -125,9 +101,9 @@ def saved_pp2(tmp_path):
 
 
 def test_other_layout_is_refused_naming_both(saved_pp2):
-    line = _refused(saved_pp2, ["--pipeline-model-parallel-size", "1"], "saved with tp=1, pp=2")
+    line = refused(saved_pp2, ["--pipeline-model-parallel-size", "1"], "saved with tp=1, pp=2")
     assert "this run uses tp=1, pp=1" in line
-    line = _refused(
+    line = refused(
         saved_pp2,
         ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
         "saved with tp=1, pp=2",
@@ -135,27 +111,27 @@ def test_other_layout_is_refused_naming_both(saved_pp2):
     assert "tp=2, pp=2" in line
 
 
-def test_garbage_tracker_is_refused(saved_pp2):
+def test_garbage_tracker_isrefused(saved_pp2):
     (saved_pp2 / "ckpt" / "latest_checkpointed_iteration.txt").write_text("not-a-number\x00\n")
-    _refused(saved_pp2, ["--pipeline-model-parallel-size", "2"], "latest_checkpointed_iteration.txt")
+    refused(saved_pp2, ["--pipeline-model-parallel-size", "2"], "latest_checkpointed_iteration.txt")
 
 
-def test_missing_shard_is_refused(saved_pp2):
+def test_missing_shard_isrefused(saved_pp2):
     import shutil
 
     shutil.rmtree(saved_pp2 / "ckpt" / "iter_0000002" / "mp_rank_00_001")
-    _refused(
+    refused(
         saved_pp2,
         ["--pipeline-model-parallel-size", "2"],
         "no shard iter_0000002/mp_rank_00_001/model_optim_rng.pt",
     )
 
 
-def test_truncated_shard_is_refused(saved_pp2):
+def test_truncated_shard_isrefused(saved_pp2):
     path = saved_pp2 / "ckpt" / "iter_0000002" / "mp_rank_00_000" / "model_optim_rng.pt"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    _refused(saved_pp2, ["--pipeline-model-parallel-size", "2"], "corrupt or truncated")
+    refused(saved_pp2, ["--pipeline-model-parallel-size", "2"], "corrupt or truncated")
 
 
 def test_killing_a_worker_mid_save_keeps_the_previous_checkpoint(tmp_path):
@@ -280,7 +256,7 @@ def test_resume_with_dropout_is_bitwise_identical(tmp_path):
     ],
 )
 def test_other_architecture_is_refused_naming_the_difference(saved_pp2, flags, needle):
-    _refused(saved_pp2, ["--pipeline-model-parallel-size", "2", *flags], needle)
+    refused(saved_pp2, ["--pipeline-model-parallel-size", "2", *flags], needle)
 
 
 def test_resume_with_recompute_is_bitwise_identical(tmp_path):

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from checkpoint_helpers import tree_digest
 from dist_helpers import PRETRAIN, REPO, SMALL_MODEL, loss_lines, ok, run_pretrain
-from test_checkpointing import tree_digest
 
 pytestmark = pytest.mark.world  # every test here starts processes
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
+from checkpoint_helpers import BASE, refused
 from dist_helpers import loss_lines, ok, parse_losses, run_pretrain
 from job_helpers import Job, alive, children, rank_of
-from test_checkpointing import BASE, _refused
 
 pytestmark = pytest.mark.world  # every test here starts processes
 
@@ -69,18 +69,18 @@ def test_another_data_parallel_size_reshards(saved, tmp_path):
         assert abs(got[it] - want[it]) <= 5e-4 * want[it], (it, got[it], want[it])
 
 
-def test_missing_optimizer_shard_is_refused(saved, tmp_path):
+def test_missing_optimizer_shard_isrefused(saved, tmp_path):
     root, _ = saved
     shutil.copytree(root / "ckpt", tmp_path / "ckpt")
     os.remove(tmp_path / "ckpt" / "iter_0000006" / "mp_rank_00_001" / "distrib_optim.pt")
-    _refused(tmp_path, PP2_DP2, "no optimizer shard iter_0000006/mp_rank_00_001/distrib_optim.pt")
+    refused(tmp_path, PP2_DP2, "no optimizer shard iter_0000006/mp_rank_00_001/distrib_optim.pt")
 
 
-def test_loading_without_the_distributed_optimizer_is_refused(saved, tmp_path):
+def test_loading_without_the_distributed_optimizer_isrefused(saved, tmp_path):
     root, _ = saved
     shutil.copytree(root / "ckpt", tmp_path / "ckpt")
     plain = ["--pipeline-model-parallel-size", "2", "--nproc-per-node", "4"]
-    _refused(tmp_path, plain, "was saved with --use-distributed-optimizer but this run is without it")
+    refused(tmp_path, plain, "was saved with --use-distributed-optimizer but this run is without it")
 
 
 def test_killing_a_worker_mid_save_keeps_the_previous_checkpoint(tmp_path):
