@@ -30,9 +30,13 @@ class _DefaultInit:
         explicit = obj.__dict__.get(self.slot)
         if explicit is not None:
             return explicit
-        if self.scaled:
-            return scaled_init_method_normal(obj.init_method_std, obj.num_layers)
-        return init_method_normal(obj.init_method_std)
+        # One initialiser per (std, layers), so a config equals itself as upstream's does.
+        key = (obj.init_method_std, obj.num_layers if self.scaled else None)
+        cached = obj.__dict__.get(self.slot + "_derived")
+        if cached is None or cached[0] != key:
+            init = scaled_init_method_normal(*key) if self.scaled else init_method_normal(key[0])
+            cached = obj.__dict__[self.slot + "_derived"] = (key, init)
+        return cached[1]
 
     def __set__(self, obj, value) -> None:
         obj.__dict__[self.slot] = value

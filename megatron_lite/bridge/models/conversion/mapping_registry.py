@@ -38,7 +38,7 @@ class MegatronMappingRegistry:
         for pattern, mapping in self._patterns:
             match = pattern.match(megatron_name)
             if match:
-                return mapping.resolve(*match.groups())
+                return mapping.resolve(match.groups())
         return None
 
     def hf_names(self, config) -> set[str]:
@@ -50,7 +50,7 @@ class MegatronMappingRegistry:
         for mapping in self.mappings:
             wildcards = mapping.megatron_param.count("*")
             if not wildcards:
-                names.update(mapping.hf_params.values())
+                names.update(mapping.hf_param_names)
                 continue
             kind = _layer_kind(mapping.megatron_param)
             for layer in range(config.num_layers):
@@ -59,5 +59,5 @@ class MegatronMappingRegistry:
                 experts = range(config.num_moe_experts) if wildcards > 1 else [None]
                 for expert in experts:
                     indices = [str(layer)] + ([] if expert is None else [str(expert)])
-                    names.update(mapping.resolve(*indices).hf_params.values())
+                    names.update(mapping.resolve(tuple(indices)).hf_param_names)
         return names

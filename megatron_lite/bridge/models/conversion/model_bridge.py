@@ -138,14 +138,14 @@ class MegatronModelBridge:
                     if mapping is None:
                         raise BridgeError(f"no Hugging Face tensor maps to {full_name}")
                     try:
-                        shard = mapping.hf_to_megatron(
+                        shard = mapping.read_shard(
                             checkpoint.read, tuple(param.shape), tp_rank, tp_size, config
                         )
                     except RuntimeError:  # a tensor whose size cannot make this parameter (reshaped)
                         shard = None
                     if shard is None or tuple(shard.shape) != tuple(param.shape):
                         shapes = ", ".join(
-                            f"{n} {tuple(checkpoint.shape(n))}" for n in mapping.hf_params.values()
+                            f"{n} {tuple(checkpoint.shape(n))}" for n in mapping.hf_param_names
                         )
                         raise BridgeError(
                             f"{checkpoint.path}: {shapes} do not make {full_name}'s TP shard "
@@ -213,7 +213,7 @@ class MegatronModelBridge:
             mapping = registry.megatron_to_hf_lookup(name)
             if mapping is None:
                 raise BridgeError(f"{name} has no Hugging Face name in a {self.model_type} model")
-            for hf_name, tensor in mapping.megatron_to_hf(full, config).items():
+            for hf_name, tensor in mapping.full_to_hf(full, config).items():
                 yield hf_name, tensor.cpu() if cpu else tensor
 
     # ---- config back ----

@@ -13,7 +13,8 @@ from megatron_lite.bridge.models.conversion.model_bridge import (
     MegatronModelBridge,
     make_vocab_size_divisible_by,
 )
-from megatron_lite.bridge.models.conversion.param_mapping import AutoMapping, MegatronParamMapping, _tp_range
+from megatron_lite.bridge.models.conversion.param_mapping import AutoMapping, MegatronParamMapping
+from megatron_lite.bridge.models.conversion.param_mapping_base import _tp_range
 
 GPT2_DEFAULTS = {
     "vocab_size": 50257,
@@ -34,14 +35,14 @@ class GPT2QKVMapping(MegatronParamMapping):
     """``linear_qkv`` (per head: its query, key, value rows) from ``c_attn`` ([q | k | v] columns)."""
 
     def __init__(self, megatron_param: str, qkv: str):
-        super().__init__(megatron_param, qkv=qkv)
+        super().__init__(megatron_param, qkv)
 
-    def hf_to_megatron(self, read, shape, tp_rank, tp_size, config):
+    def read_shard(self, read, shape, tp_rank, tp_size, config):
         heads, d, hidden = config.num_attention_heads, config.kv_channels, config.hidden_size
         first, last = _tp_range(heads, tp_rank, tp_size)
         n, is_weight = last - first, len(shape) == 2
         parts = [
-            read(self.hf_params["qkv"], 1 if is_weight else 0, i * hidden + first * d, i * hidden + last * d)
+            read(self.hf_param, 1 if is_weight else 0, i * hidden + first * d, i * hidden + last * d)
             for i in range(3)
         ]
         if is_weight:
@@ -50,11 +51,11 @@ class GPT2QKVMapping(MegatronParamMapping):
             parts = [p.reshape(n, d) for p in parts]
         return torch.stack(parts, dim=1).reshape(n * 3 * d, *shape[1:])
 
-    def megatron_to_hf(self, full, config):
+    def full_to_hf(self, full, config):
         heads, d = config.num_attention_heads, config.kv_channels
         rest = full.shape[1:]
         qkv = full.reshape(heads, 3, d, *rest).transpose(0, 1).reshape(3 * heads * d, *rest)
-        return {self.hf_params["qkv"]: (qkv.t() if full.dim() == 2 else qkv).contiguous()}
+        return {self.hf_param: (qkv.t() if full.dim() == 2 else qkv).contiguous()}
 
 
 @MegatronModelBridge.register_bridge("gpt2")
@@ -121,8 +122,9 @@ class GPT2Bridge(MegatronModelBridge):
             ("mlp.linear_fc2", "mlp.c_proj", True),
         )
         for ours, theirs, conv1d in pairs:
+            conv1d_weight = (1, 0) if conv1d else None  # Conv1D is [in, out]; a bias needs no permute
             mappings += [
-                AutoMapping(layer + f"{ours}.{p}", hf + f"{theirs}.{p}", transpose=conv1d)
-                for p in ("weight", "bias")
+                AutoMapping(layer + f"{ours}.weight", hf + f"{theirs}.weight", permute_dims=conv1d_weight),
+                AutoMapping(layer + f"{ours}.bias", hf + f"{theirs}.bias"),
             ]
         return MegatronMappingRegistry(*mappings)
