@@ -62,6 +62,12 @@ FILES: dict[str, UpstreamFile] = {
     "test_schedules": UpstreamFile("lm", "tests/unit_tests/pipeline_parallel/test_schedules.py", 8),
     "test_mapping": UpstreamFile("lm", "tests/unit_tests/dist_checkpointing/test_mapping.py"),
     "test_validation": UpstreamFile("lm", "tests/unit_tests/dist_checkpointing/test_validation.py"),
+    "test_async_utils_shutdown": UpstreamFile(
+        "lm", "tests/unit_tests/dist_checkpointing/test_async_utils_shutdown.py"
+    ),
+    "test_async_save": UpstreamFile("lm", "tests/unit_tests/dist_checkpointing/test_async_save.py", 8),
+    "test_serialization": UpstreamFile("lm", "tests/unit_tests/dist_checkpointing/test_serialization.py", 8),
+    "test_param_mapping": UpstreamFile("bridge", "tests/unit_tests/models/test_param_mapping.py"),
 }
 
 SCOPE_DIR = Path(__file__).with_name("upstream_tests_scope")
@@ -74,6 +80,7 @@ def out_of_scope(name: str) -> dict[str, str]:
 
 
 _PREFIXES = [
+    (r"\bmegatron\.bridge\.models\.conversion\b", "megatron_lite.bridge.models.conversion"),
     (r"\bmegatron\.bridge\b", "megatron_lite"),
     (r"\bmegatron\.core\b", "megatron_lite.core"),
     (r"\bmegatron\.training\b", "megatron_lite.training"),
@@ -214,6 +221,16 @@ def pytest_runtest_logreport(report):
         _RESULTS[report.nodeid] = outcome
 
 
+@pytest.fixture(scope="session")
+def tmp_path_dist_ckpt():
+    # One directory for every rank of the world (each rank's pytest has its own tmp_path).
+    from pathlib import Path
+
+    path = Path(os.environ.get("PORT_RESULTS", "/tmp/ported")).parent / "tmp_dist_ckpt"
+    path.mkdir(parents=True, exist_ok=True)
+    yield path
+
+
 def pytest_sessionfinish(session):
     out = os.environ.get("PORT_RESULTS")
     if out:
@@ -296,6 +313,51 @@ class Utils:
 '''
 
 
+_DIST_CKPT_INIT = '''
+"""megatron_lite's stand-in for Megatron-LM's tests/unit_tests/dist_checkpointing/__init__.py: a named
+temporary directory that every rank of the world shares (rank 0 makes it empty and removes it)."""
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from tests.unit_tests.test_utilities import Utils
+
+
+def _barrier():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+class TempNamedDir:
+    def __init__(self, name, sync=True, ignore_cleanup_errors=False):
+        self.name, self.sync = str(name), sync
+        if Utils.rank <= 0:
+            shutil.rmtree(self.name, ignore_errors=True)
+            os.makedirs(self.name, exist_ok=True)
+        if sync:
+            _barrier()
+        else:
+            os.makedirs(self.name, exist_ok=True)
+
+    def cleanup(self, override_sync=None):
+        if self.sync if override_sync is None else override_sync:
+            _barrier()
+        if Utils.rank <= 0:
+            shutil.rmtree(self.name, ignore_errors=True)
+
+    def __enter__(self):
+        if self.sync:
+            _barrier()
+        return Path(self.name)
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        if exc_type is None:
+            self.cleanup()
+'''
+
+
 def _selected(nodeid: str, out_of_scope: dict[str, str]) -> str | None:
     test = nodeid.split("::", 1)[1] if "::" in nodeid else nodeid
     for prefix, reason in out_of_scope.items():
@@ -310,6 +372,9 @@ def run_file(name: str, spec: UpstreamFile, roots: dict[str, Path], out: Path, v
     for pkg in (work / "tests", work / "tests" / "unit_tests"):
         (pkg / "__init__.py").write_text("")
     (work / "tests" / "unit_tests" / "test_utilities.py").write_text(_TEST_UTILITIES)
+    if "/dist_checkpointing/" in spec.path:  # upstream's tests import its TempNamedDir from there
+        (work / "tests" / "unit_tests" / "dist_checkpointing").mkdir(exist_ok=True)
+        (work / "tests" / "unit_tests" / "dist_checkpointing" / "__init__.py").write_text(_DIST_CKPT_INIT)
     (work / "conftest.py").write_text(_CONFTEST)
     target = work / "tests" / "unit_tests" / f"{name}.py"
     target.write_text(port_source(read_upstream(roots[spec.repo], spec.path)))

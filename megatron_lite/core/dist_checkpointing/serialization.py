@@ -1,165 +1,231 @@
-"""Saving and loading ``ShardedTensor`` pieces as a DCP checkpoint (megatron-core's ``torch_dist``).
-
-A save is three steps, so that the writing may happen in another process while training goes on
-(``strategies.async_utils``): ``plan_save`` (collective: every rank's pieces are planned together, the
-coordinator checks they tile each tensor), ``SaveRequest.write`` (no collective: this rank's files)
-and ``SaveRequest.finish`` (collective: the coordinator writes ``.metadata``, which is what makes the
-directory a checkpoint). ``save`` runs the three in a row.
-"""
+"""megatron-core's entry points (``dist_checkpointing.serialization``): ``save`` and ``load`` of a
+nested state dict whose tensors are wrapped in ``mapping``'s classes, as ``torch.save`` and
+``torch.load`` of a plain one. The ShardedTensors and ShardedObjects go through the sharded strategy
+(DCP's files, ``strategies.torch``), every other value to ``common.pt`` (``strategies.common``), and
+``metadata.json`` is written last. megatron_lite's list-based functions (``pieces``) are re-exported
+here for their callers."""
 
 from __future__ import annotations
 
-import os
+import logging
+from collections.abc import Callable
+from pathlib import Path
 
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+import torch
 
-# CheckpointingException lived here before core.py; importing it from here still works.
-from megatron_lite.core.dist_checkpointing.core import CheckpointingException
-from megatron_lite.core.dist_checkpointing.mapping import ShardedTensor
+from megatron_lite.core.dist_checkpointing.core import (
+    CheckpointingConfig,
+    CheckpointingException,
+    save_config,
+)
+from megatron_lite.core.dist_checkpointing.dict_utils import merge
+from megatron_lite.core.dist_checkpointing.mapping import (
+    CommonStateDict,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    apply_factory_merges,
+)
+from megatron_lite.core.dist_checkpointing.pieces import (
+    SaveRequest,
+    check_data_files,
+    load_metadata,
+    load_pieces,
+    missing_or_mismatched,
+    plan_save,
+    read_object_bytes,
+    save_pieces,
+)
+from megatron_lite.core.dist_checkpointing.state_dict_utils import (
+    extract_sharded_base,
+    load_preprocess,
+    save_preprocess,
+)
+from megatron_lite.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron_lite.core.dist_checkpointing.strategies.common import (
+    TorchCommonLoadStrategy,
+    TorchCommonSaveStrategy,
+)
 from megatron_lite.core.dist_checkpointing.strategies.torch import (
-    SafeFileSystemReader,
-    ShardedLoadPlanner,
-    ShardedSavePlanner,
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
+from megatron_lite.core.dist_checkpointing.validation import (
+    StrictHandling,
+    determine_global_metadata,
+    parse_strict_flag,
+    validate_integrity_and_strict_load,
+    verify_checkpoint,
 )
 
+logger = logging.getLogger(__name__)
 
-class SaveRequest:
-    """One rank's share of a planned save: the pieces (``planner``), where they go (``writer``), this
-    rank's part of the global plan, and on the coordinator the metadata to write last."""
+__all__ = [  # upstream's, and megatron_lite's list-based functions (``pieces``) for their callers
+    "CheckpointingException",
+    "SaveRequest",
+    "check_data_files",
+    "get_default_load_sharded_strategy",
+    "get_default_save_sharded_strategy",
+    "load",
+    "load_common_state_dict",
+    "load_content_metadata",
+    "load_metadata",
+    "load_pieces",
+    "load_plain_tensors",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+    "missing_or_mismatched",
+    "plan_save",
+    "read_object_bytes",
+    "save",
+    "save_pieces",
+]
 
-    def __init__(self, planner: ShardedSavePlanner, writer: FileSystemWriter, plan, metadata):
-        self.planner, self.writer, self.plan, self.metadata = planner, writer, plan, metadata
-
-    def write(self) -> list:
-        """Write this rank's files; returns DCP's write results for ``finish``. No collective."""
-        future = self.writer.write_data(self.plan, self.planner)
-        future.wait()
-        return future.value()
-
-    def finish(self, results: list) -> None:
-        """Gather every rank's write results; the coordinator writes ``.metadata``. Collective over the
-        world."""
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(results, gathered, dst=0)
-        if dist.get_rank() == 0:
-            self.writer.finish(self.metadata, gathered)
-
-
-def plan_save(pieces: list[ShardedTensor], checkpoint_dir: str) -> SaveRequest:
-    """Plan the save of every rank's ``pieces`` into ``checkpoint_dir`` (which must exist). Collective
-    over the world; any rank's failure (pieces that do not tile a tensor, among others) raises the
-    same CheckpointingException on every rank."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    planner = ShardedSavePlanner(pieces)
-    writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, sync_files=True)
-    local, error = None, None
-    try:
-        planner.set_up_planner(is_coordinator=rank == 0)
-        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
-        local = writer.prepare_local_plan(planner.create_local_plan())
-    except Exception as err:  # carried to the coordinator, so that no rank waits for this one
-        error = f"rank {rank}: {type(err).__name__}: {err}".splitlines()[0]
-    plans = [None] * world if rank == 0 else None
-    dist.gather_object((local, error), plans, dst=0)
-    metadata, mine = None, [None]
-    if rank == 0:
-        error = next((e for _, e in plans if e), None)
-        plans = [p for p, _ in plans]
-        if error is None:
-            try:
-                plans, metadata = planner.create_global_plan(plans)
-                plans = writer.prepare_global_plan(plans)
-            except Exception as err:  # e.g. pieces that do not tile a tensor
-                error = f"{type(err).__name__}: {err}".splitlines()[0]
-        if error:
-            plans = [None] * world
-    dist.scatter_object_list(mine, [(p, error) for p in plans] if rank == 0 else None, src=0)
-    plan, error = mine[0]
-    if error:
-        raise CheckpointingException(error)
-    return SaveRequest(planner, writer, planner.finish_plan(plan), metadata)
+CkptShardedMetadata = dict[str, ShardedTensor | ShardedObject]
+_CONTENT_METADATA_KEY = "content_metadata"
 
 
-def save(pieces: list[ShardedTensor], checkpoint_dir: str) -> None:
-    """Plan, write and finish at once. Collective over the world."""
-    request = plan_save(pieces, checkpoint_dir)
-    request.finish(request.write())
+def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1):
+    if backend != "torch_dist":
+        raise CheckpointingException(f"sharded backend {backend!r}: megatron_lite writes torch_dist only")
+    return TorchDistSaveShardedStrategy(backend, version)
 
 
-def load_metadata(checkpoint_dir: str) -> Metadata:
-    """DCP's ``.metadata`` of ``checkpoint_dir``, read without running code from it."""
-    return SafeFileSystemReader(checkpoint_dir).read_metadata()
+def get_default_load_sharded_strategy(checkpoint_dir: str | Path | None = None):
+    return TorchDistLoadShardedStrategy(checkpoint_name=checkpoint_dir)
 
 
-def read_object_bytes(checkpoint_dir: str, metadata: Metadata, key: str) -> bytes | None:
-    """The bytes DCP stored for the object ``key`` (a megatron-core ShardedObject's unique key, as
-    ``common_state/shard_0_1``), read from its data file as they are: DCP's own load would unpickle
-    them without the weights-only guard. None when the checkpoint holds no such object."""
-    if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
-        return None
-    infos = [info for index, info in (metadata.storage_data or {}).items() if index.fqn == key]
-    if len(infos) != 1 or getattr(infos[0], "transform_descriptors", None):
-        raise CheckpointingException(f"{key} is stored in a form megatron_lite does not read")
-    info = infos[0]
-    with open(os.path.join(checkpoint_dir, info.relative_path), "rb") as f:
-        f.seek(info.offset)
-        data = f.read(info.length)
-    if len(data) != info.length:
-        raise CheckpointingException(f"{info.relative_path} is cut short")
-    return data
+def get_default_save_common_strategy(backend: str = "torch", version: int = 1):
+    return TorchCommonSaveStrategy(backend, version)
 
 
-def missing_or_mismatched(pieces: list[ShardedTensor], metadata: Metadata) -> list[str]:
-    """What the checkpoint lacks for ``pieces``: keys it does not hold as tensors, and tensors of another
-    global shape (unless the piece allows a mismatch)."""
-    problems, saved = [], metadata.state_dict_metadata
-    for piece in pieces:
-        md = saved.get(piece.key)
-        if not isinstance(md, TensorStorageMetadata):
-            problems.append(f"no {piece.key}")
-        elif tuple(md.size) != tuple(piece.global_shape) and not piece.allow_shape_mismatch:
-            problems.append(f"{piece.key} is {tuple(md.size)}, not {tuple(piece.global_shape)}")
-    return list(dict.fromkeys(problems))
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: str,
+    sharded_strategy: TorchDistSaveShardedStrategy | None = None,
+    common_strategy: TorchCommonSaveStrategy | None = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict] | None = None,
+    content_metadata: dict | None = None,
+    async_strategy: str = "mcore",
+) -> AsyncRequest | None:
+    """Save ``sharded_state_dict`` into ``checkpoint_dir`` (which exists on rank 0 at least): its
+    sharded values by ``sharded_strategy`` (the default: torch_dist), every other value by rank 0 into
+    ``common.pt``, then ``metadata.json``. ``content_metadata`` is kept in the common part. With
+    ``async_sharded_save`` the sharded files are written by the returned request, which the caller
+    schedules (``AsyncCallsQueue``); ``metadata.json`` is written when it is finalized. Collective;
+    ``sharded_state_dict`` is modified (factories built). ``async_strategy``: only megatron-core's own
+    ("mcore"); NVRx is not available in megatron_lite."""
+    if isinstance(sharded_state_dict, list):  # megatron_lite's own form: a rank's pieces (pieces.py)
+        return save_pieces(sharded_state_dict, checkpoint_dir)
+    if async_strategy not in ("mcore", None):
+        raise CheckpointingException(f"async_strategy {async_strategy!r}: megatron_lite has only 'mcore'")
+    if torch.distributed.get_rank() == 0 and next(Path(checkpoint_dir).iterdir(), None) is not None:
+        logger.warning("Overwriting old incomplete / corrupted checkpoint...")
+    if sharded_strategy is None or isinstance(sharded_strategy, tuple):  # upstream's (backend, version) too
+        sharded_strategy = get_default_save_sharded_strategy(*(sharded_strategy or ()))
+    common_strategy = common_strategy or get_default_save_common_strategy()
+    if content_metadata is not None:
+        sharded_state_dict[_CONTENT_METADATA_KEY] = content_metadata
+    sharded_part, common = save_preprocess(
+        sharded_state_dict, validate_access_integrity, preprocess_common_before_consistancy_check
+    )
+    common_strategy.save_common(common, checkpoint_dir)
 
-
-def check_data_files(checkpoint_dir: str, metadata: Metadata) -> None:
-    """Every data file ``metadata`` names is there and long enough for what it places in it: a missing
-    or cut ``.distcp`` is one CheckpointingException naming it, before DCP's read would fail inside its
-    collective (with a traceback per rank)."""
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        name = getattr(info, "relative_path", None)
-        if name is not None:
-            needed[name] = max(needed.get(name, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        try:
-            have = os.path.getsize(os.path.join(checkpoint_dir, name))
-        except OSError:
-            raise CheckpointingException(f"{name} is missing; the checkpoint is damaged") from None
-        if have < size:
-            raise CheckpointingException(
-                f"{name} is cut short ({have} of {size} bytes); the checkpoint is damaged"
+    def write_config() -> None:
+        if torch.distributed.get_rank() == 0:
+            save_config(
+                CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version), checkpoint_dir
             )
+        torch.distributed.barrier()  # the checkpoint is complete on every rank's return
+
+    if not async_sharded_save:
+        sharded_strategy.save(sharded_part, checkpoint_dir)
+        write_config()
+        return None
+    request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
+    request.add_finalize_fn(write_config)
+    return request
 
 
-def _first_failure(err: CheckpointException) -> str:
-    """DCP's exception (a BaseException, one traceback per rank) as the first rank's error, one line."""
-    for exc, _trace in err.failures.values():
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return "an unknown failure"
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: str,
+    sharded_strategy: TorchDistLoadShardedStrategy | None = None,
+    common_strategy: TorchCommonLoadStrategy | None = None,
+    validate_access_integrity: bool = True,
+    strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+) -> StateDict | tuple[StateDict, set[str], set[str]]:
+    """The checkpoint's common part with, in their places, the values ``sharded_state_dict`` asks for
+    (each ShardedTensor's piece, each ShardedObject's object, factories merged back). ``strict`` says
+    what a key the checkpoint lacks, or one nobody asks for, does (``StrictHandling``; the RETURN_*
+    values also return the missing and unexpected keys); ``validate_access_integrity`` checks that
+    the ranks' main replicas read each value once. Collective. A list of pieces is megatron_lite's own
+    form (pieces.py): read in place."""
+    if isinstance(sharded_state_dict, list):
+        return load_pieces(sharded_state_dict, checkpoint_dir)
+    verify_checkpoint(checkpoint_dir)
+    if sharded_strategy is None or isinstance(sharded_strategy, tuple):  # a (backend, version): torch_dist
+        sharded_strategy = get_default_load_sharded_strategy(checkpoint_dir)
+    common_strategy = common_strategy or TorchCommonLoadStrategy()
+    sharded_state_dict, nonpersistent, factories = load_preprocess(sharded_state_dict)
+    common = common_strategy.load_common(checkpoint_dir)
+    merge(common, nonpersistent)
+    sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
+    strict = parse_strict_flag(strict)
+    saved = None
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        saved = load_sharded_metadata(checkpoint_dir, sharded_strategy)
+    local, everyone = None, None
+    if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
+        local, everyone = determine_global_metadata(sharded_state_dict)
+    sharded_state_dict, missing, unexpected = validate_integrity_and_strict_load(
+        sharded_state_dict, strict, validate_access_integrity, local, everyone, saved
+    )
+    merge(common, sharded_strategy.load(sharded_state_dict, checkpoint_dir))
+    common = apply_factory_merges(common, factories)
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return common, missing, unexpected
+    return common
 
 
-def load(pieces: list[ShardedTensor], checkpoint_dir: str, metadata: Metadata | None = None) -> None:
-    """Read every piece in place. Collective over the world; the caller has checked
-    ``missing_or_mismatched`` and ``check_data_files`` first, on every rank before any collective
-    (against ``metadata``, reused here when given). DCP's own failure is a CheckpointingException
-    (one line)."""
-    reader = SafeFileSystemReader(checkpoint_dir, metadata)
-    try:
-        dcp.load({}, storage_reader=reader, planner=ShardedLoadPlanner(pieces))
-    except CheckpointException as err:
-        raise CheckpointingException(_first_failure(err)) from None
+def load_common_state_dict(checkpoint_dir: str | Path) -> StateDict:
+    """The checkpoint's common (not sharded) values."""
+    verify_checkpoint(str(checkpoint_dir))
+    return TorchCommonLoadStrategy().load_common(checkpoint_dir)
+
+
+def load_tensors_metadata(
+    checkpoint_dir: str, sharded_strategy: TorchDistLoadShardedStrategy | None = None
+) -> CkptShardedMetadata:
+    """Every saved tensor by its key (not a state dict key), as an unsharded ShardedTensor without
+    data: its global shape and dtype. ``load`` of it reads the whole tensors."""
+    verify_checkpoint(checkpoint_dir)
+    return (sharded_strategy or TorchDistLoadShardedStrategy()).load_tensors_metadata(checkpoint_dir)
+
+
+def load_sharded_metadata(
+    checkpoint_dir: str, sharded_strategy: TorchDistLoadShardedStrategy | None = None
+) -> CkptShardedMetadata:
+    """``load_tensors_metadata`` and every saved ShardedObject shard by its unique key."""
+    verify_checkpoint(checkpoint_dir)
+    return (sharded_strategy or TorchDistLoadShardedStrategy()).load_sharded_metadata(checkpoint_dir)
+
+
+def load_plain_tensors(checkpoint_dir: str) -> StateDict:
+    """Every saved tensor, whole, by its key (no common values)."""
+    return load(load_tensors_metadata(checkpoint_dir), checkpoint_dir, validate_access_integrity=False)
+
+
+def load_content_metadata(
+    checkpoint_dir: str | None = None, *, preloaded_state_dict: StateDict | None = None
+) -> dict | None:
+    """What ``save(..., content_metadata=...)`` recorded (None if nothing), from the checkpoint or a
+    state dict ``load`` returned."""
+    if preloaded_state_dict is None:
+        if checkpoint_dir is None:
+            raise ValueError("Both checkpoint_dir and loaded_state_dict cannot be None")
+        preloaded_state_dict = load_common_state_dict(checkpoint_dir)
+    return preloaded_state_dict.get(_CONTENT_METADATA_KEY)

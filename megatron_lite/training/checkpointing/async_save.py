@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_lite.core.dist_checkpointing.strategies.async_utils import AsyncWriter
+from megatron_lite.core.dist_checkpointing.strategies.background_writer import AsyncWriter
 from megatron_lite.core.utils import get_collective_device
 from megatron_lite.training.checkpointing.agreement import agree
 from megatron_lite.training.checkpointing.commit import end_checkpoint, save_error

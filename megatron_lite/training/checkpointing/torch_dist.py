@@ -24,8 +24,8 @@ import torch.distributed as dist
 from megatron_lite.core.dist_checkpointing import (
     CheckpointingException,
     check_data_files,
-    load,
     load_metadata,
+    load_pieces,
     missing_or_mismatched,
     plan_save,
 )
@@ -175,7 +175,7 @@ def read_pieces(pieces, metadata, root: str, iteration: int, flag: str = "--load
             piece.data.zero_()  # padding rows the checkpoint does not cover start at zero
     try:
         with torch.no_grad():
-            load(pieces, _iteration_dir(root, iteration), metadata)
+            load_pieces(pieces, _iteration_dir(root, iteration), metadata)
     except Exception as err:
         error = _unreadable(flag, root, iteration, err)
     agree(error)

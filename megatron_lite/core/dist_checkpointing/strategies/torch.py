@@ -1,231 +1,160 @@
-"""``torch.distributed.checkpoint`` planners over ``ShardedTensor`` pieces, and a reader of DCP's
-``.metadata`` that runs no code from the file.
-
-DCP writes one chunk per piece (its global offset and size) and reads, for every piece a rank asks
-for, the overlap with every saved chunk: that is what makes a checkpoint loadable at another layout.
-DCP's own ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load``, which can run code; here
-it goes through an unpickler that builds DCP's metadata classes, torch sizes and dtypes only. The
-tensors themselves DCP reads with torch's weights-only unpickler.
-"""
+"""megatron-core's ``torch_dist`` strategies (``dist_checkpointing.strategies.torch``) over our own
+DCP planners (``planners``) and list-based save and load (``pieces``): the save strategy writes a
+state dict's ShardedTensors and ShardedObjects, now or from another process (``async_save``); the load
+strategy reads them back, and tells what a checkpoint holds without reading it."""
 
 from __future__ import annotations
 
-import math
-import pickle
-import re
+import io
+import json
+import os
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import WriteResult
+
+from megatron_lite.core.dist_checkpointing.core import CheckpointingException
+from megatron_lite.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+from megatron_lite.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
 )
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
+from megatron_lite.core.dist_checkpointing.pieces import (
+    SaveRequest,
+    load_metadata,
+    plan_save,
+    read_object_bytes,
 )
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from megatron_lite.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron_lite.core.dist_checkpointing.strategies.common import load_weights_only
+from megatron_lite.core.dist_checkpointing.strategies.planners import ShardedLoadPlanner
+from megatron_lite.core.dist_checkpointing.strategies.safe_reader import SafeFileSystemReader
 
-from megatron_lite.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
-
-_DCP = "torch.distributed.checkpoint."
-# Exactly the classes DCP's own .metadata (and megatron-core's, with its cached save plans) is made of.
-_CLASSES = {
-    f"{_DCP}metadata": (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    ),
-    f"{_DCP}filesystem": ("_StorageInfo",),
-    f"{_DCP}planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
-    "pathlib": ("PosixPath", "PurePosixPath"),  # the checkpoint_id DCP records
-}
-_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
-_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
+# Where a rank's background write leaves DCP's write results for the finalize step (then removed).
+_RESULTS = ".write_results_{rank}.json"
 
 
-class _MetadataUnpickler(pickle._Unpickler):
-    """The pure-Python unpickler, limited to ``_CLASSES``, torch.Size, torch's dtype / layout /
-    memory-format values and ``_get_layout`` (a layout by its name); BUILD (setting an object's state)
-    only on instances of those classes, never on a class itself."""
-
-    def find_class(self, module: str, name: str):
-        if name in _CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if (module, name) == ("torch.serialization", "_get_layout"):
-            return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), _TORCH_VALUES)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
-
-    def load_build(self) -> None:
-        target = self.stack[-2]  # under the state BUILD pops
-        allowed = _CLASSES.get(type(target).__module__, ())
-        if isinstance(target, type) or type(target).__name__ not in allowed:
-            raise pickle.UnpicklingError(f"setting the state of a {type(target).__name__} is not allowed")
-        super().load_build()
-
-    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}
+def _plain(r: WriteResult) -> list:
+    index, info = r.index, r.storage_data
+    offset = None if index.offset is None else list(index.offset)
+    return [index.fqn, offset, index.index, r.size_in_bytes] + [
+        info.relative_path,
+        info.offset,
+        info.length,
+        info.transform_descriptors,
+    ]
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's reader, with ``.metadata`` read through ``_MetadataUnpickler`` and every data file it
-    names checked to be one of this directory's ``__<rank>_<n>.distcp``; ``metadata``: what an
-    earlier ``read_metadata`` returned, so a load does not read the file again."""
-
-    def __init__(self, path, metadata: Metadata | None = None):
-        super().__init__(path)
-        self._metadata = metadata
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        if self._metadata is not None:
-            self._metadata.storage_meta.load_id = self.load_id
-            return self._metadata
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
-        for info in (metadata.storage_data or {}).values():
-            if not _DATA_FILE.fullmatch(str(getattr(info, "relative_path", ""))):
-                raise pickle.UnpicklingError(
-                    f".metadata names a data file {getattr(info, 'relative_path', None)!r}"
-                )
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+def _write_and_record(request: SaveRequest, path: str) -> None:
+    """In the writing process: this rank's files, then their write results as plain JSON."""
+    plain = [_plain(r) for r in request.write()]
+    with open(path, "w") as f:
+        json.dump(plain, f)
 
 
-def _index(piece: ShardedTensor) -> tuple[str, tuple[int, ...]]:
-    return piece.key, tuple(piece.global_offset)
+def _recorded(path: str) -> list[WriteResult]:
+    with open(path) as f:
+        plain = json.load(f)
+    os.remove(path)
+    return [
+        WriteResult(MetadataIndex(fqn, offset, index), size, _StorageInfo(name, at, length, transforms))
+        for fqn, offset, index, size, name, at, length, transforms in plain
+    ]
 
 
-class ShardedSavePlanner(DefaultSavePlanner):
-    """Writes the main replica (``is_main_replica``) of each piece. DCP's global plan checks that the
-    pieces of every tensor tile it exactly, neither overlapping nor leaving a gap."""
-
-    def __init__(self, pieces: list[ShardedTensor]):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        main = [p for p in pieces if is_main_replica(p.replica_id)]
-        self.pieces = {_index(p): p.data for p in main}
-        self.shapes = {_index(p): tuple(p.global_shape) for p in main}
-
-    def set_up_planner(self, state_dict=None, storage_meta=None, is_coordinator: bool = False) -> None:
-        self.state_dict, self.is_coordinator = {}, is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for (key, offset), data in self.pieces.items():
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(key, torch.Size(offset)),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=torch.Size(offset), sizes=data.shape),
-                        properties=TensorProperties.create_from_tensor(data),
-                        size=torch.Size(self.shapes[(key, offset)]),
-                    ),
-                )
-            )
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
-        return self.pieces[(index.fqn, tuple(index.offset))]
-
-    def stage(self, buffers: dict) -> bool:
-        """Copy every piece into host memory another process can read (``buffers``: views of one
-        shared buffer per dtype, reused while the pieces keep their shapes), so training may change
-        the originals meanwhile; then ``pieces`` holds only the indices (the writer process has the
-        buffers). Returns whether the buffers are new, i.e. must be sent to the writer again."""
-        layout = {index: (tuple(d.shape), d.dtype) for index, d in self.pieces.items()}
-        fresh = layout != {index: (tuple(b.shape), b.dtype) for index, b in buffers.items()}
-        if fresh:
-            buffers.clear()
-            sizes: dict = {}
-            for shape, dtype in layout.values():
-                sizes[dtype] = sizes.get(dtype, 0) + math.prod(shape)
-            flat = {dtype: torch.empty(n, dtype=dtype).share_memory_() for dtype, n in sizes.items()}
-            at = dict.fromkeys(flat, 0)
-            for index, (shape, dtype) in layout.items():
-                n = math.prod(shape)
-                buffers[index] = flat[dtype][at[dtype] : at[dtype] + n].view(shape)
-                at[dtype] += n
-        for index, data in self.pieces.items():
-            buffers[index].copy_(data)
-        self.pieces = dict.fromkeys(self.pieces)
-        return fresh
-
-    def attach(self, buffers: dict) -> None:
-        """In the writer process: the staged buffers behind ``pieces``' indices."""
-        self.pieces = {index: buffers[index] for index in self.pieces}
+def _split(sharded_state_dict: ShardedStateDict) -> tuple[list[ShardedTensor], list[ShardedObject]]:
+    values = list(nested_values(sharded_state_dict))
+    unknown = [v for v in values if not isinstance(v, (ShardedTensor, ShardedObject))]
+    if unknown:
+        raise CheckpointingException(f"cannot save or load {type(unknown[0]).__name__} as sharded")
+    return [v for v in values if isinstance(v, ShardedTensor)], [
+        v for v in values if isinstance(v, ShardedObject)
+    ]
 
 
-def overlap(piece: ShardedTensor, saved_shape) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The part of ``piece`` (global offset, size) inside a saved tensor of ``saved_shape``; None when
-    it has none."""
-    start = tuple(piece.global_offset)
-    stop = tuple(min(o + s, g) for o, s, g in zip(start, piece.data.shape, saved_shape))
-    if any(b <= a for a, b in zip(start, stop)):
-        return None
-    return start, tuple(b - a for a, b in zip(start, stop))
+class TorchDistSaveShardedStrategy:
+    """Saves through DCP, one file per rank. ``thread_count`` and ``cached_metadata`` are accepted for
+    upstream's signature; ``separation_hint`` (files per key prefix) megatron_lite does not have."""
+
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        keep_only_main_replica: bool = True,
+        thread_count: int = 2,
+        cached_metadata: bool = False,
+        separation_hint: str | None = None,
+    ):
+        if separation_hint is not None:
+            raise CheckpointingException("separation_hint is not supported by megatron_lite")
+        self.backend, self.version = backend, version
+        self.keep_only_main_replica = keep_only_main_replica
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> None:
+        """Collective over the world."""
+        tensors, objects = _split(sharded_state_dict)
+        request = plan_save(tensors, str(checkpoint_dir), objects)
+        request.finish(request.write())
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> AsyncRequest:
+        """Plan now (collective); the returned request writes this rank's files in another process
+        and, finalized, writes ``.metadata`` (collective)."""
+        tensors, objects = _split(sharded_state_dict)
+        request = plan_save(tensors, str(checkpoint_dir), objects)
+        path = os.path.join(str(checkpoint_dir), _RESULTS.format(rank=torch.distributed.get_rank()))
+        return AsyncRequest(_write_and_record, (request, path), [lambda: request.finish(_recorded(path))])
 
 
-class ShardedLoadPlanner(LoadPlanner):
-    """Reads every piece (every replica) in place from whatever chunks the checkpoint holds. The
-    caller has checked that each key is saved, with this global shape unless it allows a mismatch.
-    Each piece is its own local chunk of its key (DCP's read items name it by its position in the
-    key's list), so pieces that overlap, such as a weight and its fp32 main copy, each get read."""
+def _load_object(checkpoint_dir: str, metadata, obj: ShardedObject):
+    data = read_object_bytes(str(checkpoint_dir), metadata, obj.unique_key)
+    if data is None:
+        raise CheckpointingException(f"the checkpoint holds no object {obj.unique_key}")
+    return load_weights_only(io.BytesIO(data))
 
-    def __init__(self, pieces: list[ShardedTensor]):
-        self.pieces = pieces
-        self.targets: dict[str, list[torch.Tensor]] = {}
 
-    def set_up_planner(self, state_dict=None, metadata: Metadata | None = None, is_coordinator=False) -> None:
-        self.metadata, self.is_coordinator = metadata, is_coordinator
+class TorchDistLoadShardedStrategy:
+    """Loads through DCP: every requested piece reads its overlap with whatever chunks were saved."""
 
-    def create_local_plan(self) -> LoadPlan:
-        chunks: dict[str, list[ChunkStorageMetadata]] = {}
-        for piece in self.pieces:
-            part = overlap(piece, tuple(self.metadata.state_dict_metadata[piece.key].size))
-            if part is None:
-                continue
-            offset, size = part
-            self.targets.setdefault(piece.key, []).append(piece.data[tuple(slice(0, s) for s in size)])
-            chunks.setdefault(piece.key, []).append(
-                ChunkStorageMetadata(torch.Size(offset), torch.Size(size))
-            )
-        items = []
-        for key, local in chunks.items():
-            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], local)
-        return LoadPlan(items)
+    def __init__(self, checkpoint_name: str | None = None):
+        self.checkpoint_name = checkpoint_name
 
-    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
-        return global_plan
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> StateDict:
+        """``sharded_state_dict`` with each ShardedTensor replaced by its loaded tensor and each
+        ShardedObject by its object. Collective over the world; a key the checkpoint lacks, or a
+        tensor of another shape (unless it allows a mismatch: the rest is zeros), is DCP's
+        CheckpointException on every rank."""
+        metadata = load_metadata(str(checkpoint_dir))
+        tensors, objects = _split(sharded_state_dict)
+        for piece in tensors:
+            piece.init_data("cpu")
+            if piece.allow_shape_mismatch:
+                piece.data.zero_()
+        reader = SafeFileSystemReader(str(checkpoint_dir), metadata)
+        dcp.load({}, storage_reader=reader, planner=ShardedLoadPlanner(tensors))
+        loaded = {id(o): _load_object(checkpoint_dir, metadata, o) for o in objects}
+        return dict_list_map_inplace(
+            lambda v: loaded[id(v)] if isinstance(v, ShardedObject) else v.data, sharded_state_dict
+        )
 
-    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
-        return central_plan
+    def load_tensors_metadata(self, checkpoint_dir: str, metadata=None) -> dict[str, ShardedTensor]:
+        """Every saved tensor by its key, as one unsharded ShardedTensor without data."""
+        metadata = metadata or load_metadata(str(checkpoint_dir))
+        out = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                shape, n = tuple(md.size), len(md.size)
+                out[key] = ShardedTensor(key, None, md.properties.dtype, shape, shape, (0,) * n, (1,) * n)
+        return out
 
-    def load_bytes(self, read_item, value) -> None:
-        raise ValueError(f"{read_item.dest_index.fqn}: megatron_lite reads tensors only from a checkpoint")
-
-    def resolve_tensor(self, read_item) -> torch.Tensor:
-        target = self.targets[read_item.dest_index.fqn][read_item.dest_index.index]
-        return target[tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))]
-
-    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
-        pass  # read in place
+    def load_sharded_metadata(self, checkpoint_dir: str) -> dict[str, ShardedTensor | ShardedObject]:
+        """``load_tensors_metadata`` and every saved object by its unique key, without data."""
+        metadata = load_metadata(str(checkpoint_dir))
+        out: dict = self.load_tensors_metadata(checkpoint_dir, metadata)
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                out[key] = ShardedObject.empty_from_unique_key(key)
+        return out
