@@ -105,5 +105,6 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
     """Whether the installed torch is at least ``version`` (strictly newer without
-    ``check_equality``); ``torch.__version__`` compares with a version string itself."""
+    ``check_equality``); ``torch.__version__`` compares with a version string itself. Upstream's name,
+    which its unit tests call at import."""
     return torch.__version__ >= version if check_equality else torch.__version__ > version

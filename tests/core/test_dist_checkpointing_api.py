@@ -150,5 +150,19 @@ def test_async_save_writes_what_a_sync_save_writes(world, tmp_path, persistent):
     assert calls.maybe_finalize_async_calls(blocking=True) == [0]
     calls.close()
 
-    assert not any(p.name.startswith(".write_results") for p in (tmp_path / "async").iterdir())
+    assert not any("write_results" in p.name for p in (tmp_path / "async").iterdir())
     assert diff(load(_state(1.0), tmp_path / "async"), load(_state(2.0), tmp_path / "sync")) == ([], [], [])
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("persistent", [True, False])
+def test_an_async_save_writes_the_values_it_was_given_not_later_ones(world, tmp_path, persistent):
+    """Training goes on while the write runs: the checkpoint holds the tensors as they were when the
+    save was called."""
+    calls = AsyncCallsQueue(persistent)
+    state = _state()
+    calls.schedule_async_request(save(state, tmp_path, async_sharded_save=True))
+    state["w"].data.add_(1000.0)  # the next optimizer step, in place
+    assert calls.maybe_finalize_async_calls(blocking=True) == [0]
+    calls.close()
+    assert torch.equal(load(_state(5.0), tmp_path)["w"], torch.arange(6.0).view(2, 3))

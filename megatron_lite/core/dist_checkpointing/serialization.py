@@ -1,6 +1,6 @@
 """megatron-core's entry points (``dist_checkpointing.serialization``): ``save`` and ``load`` of a
-nested state dict whose tensors are wrapped in ``mapping``'s classes, as ``torch.save`` and
-``torch.load`` of a plain one. The ShardedTensors and ShardedObjects go through the sharded strategy
+nested state dict whose tensors are wrapped in ``mapping``'s classes (what ``torch.save`` and a
+weights-only ``torch.load`` are for a plain one). The ShardedTensors and ShardedObjects go through the sharded strategy
 (DCP's files, ``strategies.torch``), every other value to ``common.pt`` (``strategies.common``), and
 ``metadata.json`` is written last. megatron_lite's list-based functions (``pieces``) are re-exported
 here for their callers."""

@@ -22,7 +22,7 @@ class _DefaultInit:
         self.scaled = scaled
 
     def __set_name__(self, owner, name: str) -> None:
-        self.slot = f"_{name}_explicit"
+        self.slot, self.derived = f"_{name}_explicit", f"_{name}_derived"
 
     def __get__(self, obj, objtype=None):
         if obj is None:
@@ -32,10 +32,10 @@ class _DefaultInit:
             return explicit
         # One initialiser per (std, layers), so a config equals itself as upstream's does.
         key = (obj.init_method_std, obj.num_layers if self.scaled else None)
-        cached = obj.__dict__.get(self.slot + "_derived")
+        cached = obj.__dict__.get(self.derived)
         if cached is None or cached[0] != key:
             init = scaled_init_method_normal(*key) if self.scaled else init_method_normal(key[0])
-            cached = obj.__dict__[self.slot + "_derived"] = (key, init)
+            cached = obj.__dict__[self.derived] = (key, init)
         return cached[1]
 
     def __set__(self, obj, value) -> None:

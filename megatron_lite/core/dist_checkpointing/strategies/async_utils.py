@@ -8,7 +8,9 @@ requests and finalizes those done. (megatron_lite's own training loop writes thr
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
@@ -19,6 +21,8 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_lite.core.dist_checkpointing.core import CheckpointingException
+from megatron_lite.core.process_group_utils import get_collective_device
+from megatron_lite.utils.process import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +89,9 @@ class AsyncCaller(ABC):
                 raise CheckpointingException(f"rank {_rank()}: {failure}")
             return done
         # note: a blocking collective; it is what makes "done" the same answer on every rank
-        flags = torch.tensor([int(not done), int(failure is not None)], dtype=torch.int)
+        flags = torch.tensor(
+            [int(not done), int(failure is not None)], dtype=torch.int, device=get_collective_device()
+        )
         torch.distributed.all_reduce(flags)
         if flags[1]:
             raise CheckpointingException(
@@ -97,12 +103,6 @@ class AsyncCaller(ABC):
     @abstractmethod
     def close(self, abort: bool = False) -> None:
         """Stop the process(es): at once with ``abort``, else after the current call."""
-
-    def __del__(self):
-        try:
-            self.close(abort=True)
-        except Exception:  # at interpreter shutdown anything may already be gone
-            pass
 
 
 class TemporalAsyncCaller(AsyncCaller):
@@ -139,9 +139,22 @@ class TemporalAsyncCaller(AsyncCaller):
         logger.debug("rank %s: TemporalAsyncCaller closed", _rank())
 
 
-def _worker_loop(jobs, done) -> None:
-    """The persistent worker: run each call it is sent, until sent None."""
-    while (job := jobs.get()) is not None:
+def _worker_loop(jobs, done, parent: int) -> None:
+    """The persistent worker: run each call it is sent, until sent None or its parent is gone (a rank
+    killed with SIGKILL says nothing). SIGTERM / SIGINT are its rank's to handle: the worker finishes
+    the write in flight (as training's background writer)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent()
+    while True:
+        try:
+            job = jobs.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if job is None:
+            return
         idx, fn, args, kwargs = ForkingPickler.loads(job)
         try:
             fn(*args, **kwargs)
@@ -164,7 +177,9 @@ class PersistentAsyncCaller(AsyncCaller):
         if self.process is None or not self.process.is_alive():
             ctx = mp.get_context("fork")
             self.jobs, self.done = ctx.Queue(), ctx.Queue()
-            self.process = ctx.Process(target=_worker_loop, args=(self.jobs, self.done), daemon=True)
+            self.process = ctx.Process(
+                target=_worker_loop, args=(self.jobs, self.done, os.getpid()), daemon=True
+            )
             self.process.start()
         self.current = async_req.call_idx
         if async_req.async_fn is None:
@@ -202,6 +217,13 @@ class PersistentAsyncCaller(AsyncCaller):
             self.process = None
         self.current = None
         logger.debug("rank %s: PersistentAsyncCaller closed", _rank())
+
+    def __del__(self):
+        # As upstream: the worker finishes its call and stops (a caller dropped mid-write keeps it).
+        try:
+            self.close()
+        except Exception:  # at interpreter shutdown anything may already be gone
+            pass
 
 
 class _ActiveAsyncRequest(NamedTuple):
@@ -247,7 +269,7 @@ class AsyncCallsQueue:
             for finalize_fn in request.finalize_fns:
                 finalize_fn()
             if not no_dist:
-                check = torch.tensor([idx], dtype=torch.int)
+                check = torch.tensor([idx], dtype=torch.int, device=get_collective_device())
                 torch.distributed.all_reduce(check, op=torch.distributed.ReduceOp.MAX)
                 if int(check) != idx:
                     raise CheckpointingException("ranks finalized different asynchronous calls")
@@ -259,11 +281,13 @@ class AsyncCallsQueue:
 
     def close(self, abort: bool = False) -> None:
         """Finalize what is in flight (drop it with ``abort``), then stop the worker."""
-        if not abort:
-            self.maybe_finalize_async_calls(blocking=True)
-        for _, caller, _ in self.async_calls:
-            caller.close(abort=True)
-        self.async_calls.clear()
-        if self.persistent_caller is not None:
-            self.persistent_caller.close(abort=abort)
-            self.persistent_caller = None
+        try:
+            if not abort:
+                self.maybe_finalize_async_calls(blocking=True)
+        finally:  # a failed finalize still stops the processes
+            for _, caller, _ in self.async_calls:
+                caller.close(abort=True)
+            self.async_calls.clear()
+            if self.persistent_caller is not None:
+                self.persistent_caller.close(abort=abort)
+                self.persistent_caller = None

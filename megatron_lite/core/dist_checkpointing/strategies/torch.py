@@ -8,8 +8,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import tempfile
+from dataclasses import replace
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
@@ -25,6 +26,7 @@ from megatron_lite.core.dist_checkpointing.mapping import (
 )
 from megatron_lite.core.dist_checkpointing.pieces import (
     SaveRequest,
+    check_data_files,
     load_metadata,
     plan_save,
     read_object_bytes,
@@ -33,9 +35,6 @@ from megatron_lite.core.dist_checkpointing.strategies.async_utils import AsyncRe
 from megatron_lite.core.dist_checkpointing.strategies.common import load_weights_only
 from megatron_lite.core.dist_checkpointing.strategies.planners import ShardedLoadPlanner
 from megatron_lite.core.dist_checkpointing.strategies.safe_reader import SafeFileSystemReader
-
-# Where a rank's background write leaves DCP's write results for the finalize step (then removed).
-_RESULTS = ".write_results_{rank}.json"
 
 
 def _plain(r: WriteResult) -> list:
@@ -57,9 +56,11 @@ def _write_and_record(request: SaveRequest, path: str) -> None:
 
 
 def _recorded(path: str) -> list[WriteResult]:
-    with open(path) as f:
-        plain = json.load(f)
-    os.remove(path)
+    try:
+        with open(path) as f:
+            plain = json.load(f)
+    finally:
+        os.remove(path)
     return [
         WriteResult(MetadataIndex(fqn, offset, index), size, _StorageInfo(name, at, length, transforms))
         for fqn, offset, index, size, name, at, length, transforms in plain
@@ -104,8 +105,12 @@ class TorchDistSaveShardedStrategy:
         """Plan now (collective); the returned request writes this rank's files in another process
         and, finalized, writes ``.metadata`` (collective)."""
         tensors, objects = _split(sharded_state_dict)
+        # A copy on the host now: the writing process must see the values of this call, not later ones.
+        tensors = [replace(t, data=t.data.detach().to("cpu", copy=True)) for t in tensors]
         request = plan_save(tensors, str(checkpoint_dir), objects)
-        path = os.path.join(str(checkpoint_dir), _RESULTS.format(rank=torch.distributed.get_rank()))
+        # DCP's write results come back through a file of this call's own, outside the checkpoint.
+        handle, path = tempfile.mkstemp(prefix="megatron_lite_write_results_", suffix=".json")
+        os.close(handle)
         return AsyncRequest(_write_and_record, (request, path), [lambda: request.finish(_recorded(path))])
 
 
@@ -128,6 +133,7 @@ class TorchDistLoadShardedStrategy:
         tensor of another shape (unless it allows a mismatch: the rest is zeros), is DCP's
         CheckpointException on every rank."""
         metadata = load_metadata(str(checkpoint_dir))
+        check_data_files(str(checkpoint_dir), metadata)  # a missing or cut .distcp: one exception
         tensors, objects = _split(sharded_state_dict)
         for piece in tensors:
             piece.init_data("cpu")
