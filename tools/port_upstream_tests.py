@@ -68,6 +68,7 @@ FILES: dict[str, UpstreamFile] = {
     "test_async_save": UpstreamFile("lm", "tests/unit_tests/dist_checkpointing/test_async_save.py", 8),
     "test_serialization": UpstreamFile("lm", "tests/unit_tests/dist_checkpointing/test_serialization.py", 8),
     "test_param_mapping": UpstreamFile("bridge", "tests/unit_tests/models/test_param_mapping.py"),
+    "test_mapping_registry": UpstreamFile("bridge", "tests/unit_tests/models/test_mapping_registry.py"),
 }
 
 SCOPE_DIR = Path(__file__).with_name("upstream_tests_scope")
