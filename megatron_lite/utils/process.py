@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import queue
 import signal
 
 
@@ -24,3 +26,18 @@ def name_process(name: str) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except OSError:
         pass
+
+
+def jobs_from_parent(jobs, parent: int):
+    """A background process's jobs from the queue ``jobs``, until it is sent None or ``parent`` (its
+    rank) is gone: a parent killed with SIGKILL says nothing, and its children must not outlive it."""
+    while True:
+        try:
+            job = jobs.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if job is None:
+            return
+        yield job

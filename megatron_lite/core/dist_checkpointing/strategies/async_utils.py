@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from megatron_lite.core.dist_checkpointing.core import CheckpointingException
 from megatron_lite.core.process_group_utils import get_collective_device
-from megatron_lite.utils.process import die_with_parent
+from megatron_lite.utils.process import die_with_parent, jobs_from_parent
 
 logger = logging.getLogger(__name__)
 
@@ -146,15 +146,7 @@ def _worker_loop(jobs, done, parent: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent()
-    while True:
-        try:
-            job = jobs.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:
-                return
-            continue
-        if job is None:
-            return
+    for job in jobs_from_parent(jobs, parent):
         idx, fn, args, kwargs = ForkingPickler.loads(job)
         try:
             fn(*args, **kwargs)

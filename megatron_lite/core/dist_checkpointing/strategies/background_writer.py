@@ -17,7 +17,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch.multiprocessing as mp
 
 from megatron_lite.core.dist_checkpointing.pieces import SaveRequest
-from megatron_lite.utils.process import die_with_parent, name_process
+from megatron_lite.utils.process import die_with_parent, jobs_from_parent, name_process
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 # Fault-injection tests widen the window in which a background write is in flight.
@@ -36,15 +36,7 @@ def _writer_loop(jobs, results, parent: int) -> None:
     die_with_parent()
     name_process("ckpt-writer")
     buffers: dict = {}
-    while True:
-        try:
-            job = jobs.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:
-                return
-            continue
-        if job is None:
-            return
+    for job in jobs_from_parent(jobs, parent):
         request, sent = ForkingPickler.loads(job)
         buffers = sent if sent is not None else buffers
         try:
