@@ -174,6 +174,15 @@ def test_use_checkpoint_args_reads_megatron_lms_args(megatron_lm_checkpoints):
         )  # the layout stays the run's
 
 
+def _refused_optimizer_state(resume: list[str], root, checkpoint) -> str:
+    """The full resume ``resume`` of ``checkpoint`` stops with one line about its optimizer state: that line."""
+    result = run_pretrain(resume, root)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert f"--load {checkpoint}: a Megatron-LM checkpoint whose optimizer state" in line
+    return line
+
+
 def test_an_optimizer_state_that_does_not_fit_is_one_line_and_no_load_optim_resumes_the_rest(
     megatron_lm_checkpoints,
 ):
@@ -185,10 +194,7 @@ def test_an_optimizer_state_that_does_not_fit_is_one_line_and_no_load_optim_resu
     (line,) = result.stderr.strip().splitlines()
     assert "--train-iters 8: the checkpoint's run consumed 112 training samples, all of the 16" in line, line
     resume[resume.index("--global-batch-size") + 1] = "16"
-    result = run_pretrain(resume, root)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    (line,) = result.stderr.strip().splitlines()
-    assert f"--load {legacy}: a Megatron-LM checkpoint whose optimizer state" in line
+    line = _refused_optimizer_state(resume, root, legacy)
     # The fixture's optimizer state numbers no parameter: it cannot be matched to megatron-core's groups.
     assert "(its param groups hold [] parameters, not megatron-core's grouping" in line
     assert "--no-load-optim resumes the rest" in line
@@ -212,10 +218,7 @@ def test_a_torch_dist_checkpoint_without_optimizer_state_is_one_line_on_a_full_r
         "2",
     ]
     resume[resume.index("--train-iters") + 1] = "10"
-    result = run_pretrain(resume, root)
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    (line,) = result.stderr.strip().splitlines()
-    assert f"--load {distributed}: a Megatron-LM checkpoint whose optimizer state" in line
+    line = _refused_optimizer_state(resume, root, distributed)
     assert "(it holds no optimizer state); --no-load-optim resumes the rest" in line
 
 
