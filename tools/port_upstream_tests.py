@@ -25,6 +25,7 @@ import ast
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,14 @@ FILES: dict[str, UpstreamFile] = {
     "test_serialization": UpstreamFile("lm", "tests/unit_tests/dist_checkpointing/test_serialization.py", 8),
     "test_param_mapping": UpstreamFile("bridge", "tests/unit_tests/models/test_param_mapping.py"),
     "test_mapping_registry": UpstreamFile("bridge", "tests/unit_tests/models/test_mapping_registry.py"),
+    "test_model_bridge": UpstreamFile("bridge", "tests/unit_tests/models/test_model_bridge.py"),
+    "test_auto_bridge": UpstreamFile("bridge", "tests/unit_tests/models/test_auto_bridge.py"),
+    "test_llama_bridge": UpstreamFile("bridge", "tests/unit_tests/models/llama/test_llama_bridge.py"),
+    "test_optimizer": UpstreamFile("lm", "tests/unit_tests/dist_checkpointing/test_optimizer.py", 8),
+    "test_gpt_model": UpstreamFile("lm", "tests/unit_tests/dist_checkpointing/models/test_gpt_model.py", 8),
+    "test_routers": UpstreamFile("lm", "tests/unit_tests/transformer/moe/test_routers.py", 8),
+    "test_moe_layer": UpstreamFile("lm", "tests/unit_tests/transformer/moe/test_moe_layer.py", 8),
+    "test_sequential_mlp": UpstreamFile("lm", "tests/unit_tests/transformer/moe/test_sequential_mlp.py", 8),
 }
 
 SCOPE_DIR = Path(__file__).with_name("upstream_tests_scope")
@@ -81,7 +90,7 @@ def out_of_scope(name: str) -> dict[str, str]:
 
 
 _PREFIXES = [
-    (r"\bmegatron\.bridge\.models\.conversion\b", "megatron_lite.bridge.models.conversion"),
+    (r"\bmegatron\.bridge\.models\b", "megatron_lite.bridge.models"),
     (r"\bmegatron\.bridge\b", "megatron_lite"),
     (r"\bmegatron\.core\b", "megatron_lite.core"),
     (r"\bmegatron\.training\b", "megatron_lite.training"),
@@ -220,6 +229,15 @@ def pytest_runtest_logreport(report):
             return
         outcome = report.outcome if report.when == "call" else ("error" if report.failed else report.outcome)
         _RESULTS[report.nodeid] = outcome
+        _dump()
+
+
+def _dump():
+    # After every test, so a world ended by its timeout still reports the tests that ran.
+    out = os.environ.get("PORT_RESULTS")
+    if out:
+        with open(f"{out}.rank{os.environ.get('RANK', '0')}.json", "w") as f:
+            json.dump(_RESULTS, f)
 
 
 @pytest.fixture(scope="session")
@@ -233,15 +251,13 @@ def tmp_path_dist_ckpt():
 
 
 def pytest_sessionfinish(session):
-    out = os.environ.get("PORT_RESULTS")
-    if out:
-        with open(f"{out}.rank{os.environ.get('RANK', '0')}.json", "w") as f:
-            json.dump(_RESULTS, f)
+    _dump()
 """
 
 _TEST_UTILITIES = '''
 """megatron_lite's own CPU stand-in for Megatron-LM's tests/unit_tests/test_utilities.py: a gloo world
 from torchrun's environment, model parallelism through megatron_lite.core.parallel_state."""
+import datetime
 import os
 import torch
 import torch.distributed
@@ -269,8 +285,14 @@ class Utils:
         if not torch.distributed.is_initialized() and Utils.rank >= 0:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
+            # A short timeout: a rank that failed a test and left a collective ends the others' wait
+            # (their test fails) instead of hanging the world.
             torch.distributed.init_process_group(
-                backend="gloo", world_size=Utils.world_size, rank=Utils.rank, init_method="env://"
+                backend="gloo",
+                world_size=Utils.world_size,
+                rank=Utils.rank,
+                init_method="env://",
+                timeout=datetime.timedelta(seconds=int(os.environ.get("PORT_PG_TIMEOUT_S", "120"))),
             )
             torch.distributed.barrier()
         Utils.inited = True
@@ -324,6 +346,13 @@ from pathlib import Path
 import torch
 
 from tests.unit_tests.test_utilities import Utils
+from tests.unit_tests.dist_checkpointing.utils import (  # noqa: F401 (upstream's helpers, ported)
+    init_basic_mock_args,
+    init_checkpointing_mock_args,
+    initialize_gpt_model,
+    setup_model_and_optimizer,
+    setup_moe_model_and_optimizer,
+)
 
 
 def _barrier():
@@ -367,7 +396,43 @@ def _selected(nodeid: str, out_of_scope: dict[str, str]) -> str | None:
     return None
 
 
-def run_file(name: str, spec: UpstreamFile, roots: dict[str, Path], out: Path, verbose: bool) -> dict:
+def _run_world(cmd: list[str], cwd: Path, env: dict, timeout_s: int) -> tuple[int | None, str]:
+    """Runs one file's pytest (a whole torchrun world) in a session of its own; past ``timeout_s`` the
+    session is killed, every rank with it, and the exit status is None."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, log
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        return None, log + f"\n[port] killed after {timeout_s} s\n"
+
+
+def _port_helpers(spec: UpstreamFile, root: Path, work: Path) -> None:
+    """Upstream's shared test helpers that a file imports, ported as the file is (the ``__init__`` and
+    ``test_utilities`` stand-ins above excepted)."""
+    if "/dist_checkpointing/" not in spec.path:
+        return
+    base = work / "tests" / "unit_tests" / "dist_checkpointing"
+    (base / "models").mkdir(parents=True, exist_ok=True)
+    (base / "models" / "__init__.py").write_text("")
+    for rel in ("utils.py", "models/common.py"):
+        upstream = read_upstream(root, f"tests/unit_tests/dist_checkpointing/{rel}")
+        (base / rel).write_text(port_source(upstream))
+
+
+def run_file(
+    name: str, spec: UpstreamFile, roots: dict[str, Path], out: Path, verbose: bool, timeout_s: int = 1800
+) -> dict:
     work = out / name
     (work / "tests" / "unit_tests").mkdir(parents=True, exist_ok=True)
     for pkg in (work / "tests", work / "tests" / "unit_tests"):
@@ -376,6 +441,7 @@ def run_file(name: str, spec: UpstreamFile, roots: dict[str, Path], out: Path, v
     if "/dist_checkpointing/" in spec.path:  # upstream's tests import its TempNamedDir from there
         (work / "tests" / "unit_tests" / "dist_checkpointing").mkdir(exist_ok=True)
         (work / "tests" / "unit_tests" / "dist_checkpointing" / "__init__.py").write_text(_DIST_CKPT_INIT)
+        _port_helpers(spec, roots[spec.repo], work)
     (work / "conftest.py").write_text(_CONFTEST)
     target = work / "tests" / "unit_tests" / f"{name}.py"
     target.write_text(port_source(read_upstream(roots[spec.repo], spec.path)))
@@ -395,13 +461,14 @@ def run_file(name: str, spec: UpstreamFile, roots: dict[str, Path], out: Path, v
         cmd = [sys.executable, "-c", _RANK0_ONLY, *cmd]
     else:
         cmd = [sys.executable, *pytest_args]
-    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1800)
-    log = proc.stdout + proc.stderr
+    returncode, log = _run_world(cmd, work, env, timeout_s)
     (work / "pytest.log").write_text(log)
 
     per_rank = [json.loads(p.read_text()) for p in sorted(work.glob("results.rank*.json"))]
+    if returncode is None:
+        print(f"{name}: the world was ended after {timeout_s} s; counting the tests that finished")
     if not per_rank:
-        print(f"{name}: no results (exit {proc.returncode}); see {work / 'pytest.log'}")
+        print(f"{name}: no results (exit {returncode}); see {work / 'pytest.log'}")
         print("\n".join(log.splitlines()[-15:]))
         return {"name": name, "in_scope": 0, "passed": 0, "out_of_scope": 0, "failed": []}
     outcomes: dict[str, str] = {}
@@ -442,11 +509,13 @@ def main(argv=None) -> int:
     parser.add_argument("--megatron-bridge", type=Path, required=True, help="Megatron-Bridge tree or git dir")
     parser.add_argument("--only", nargs="*", default=None, choices=sorted(FILES), metavar="NAME")
     parser.add_argument("--out", type=Path, default=None, help="where the ported copies go")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds one file's world may run")
     parser.add_argument("-v", "--verbose", action="store_true", help="list the failing in-scope tests")
     args = parser.parse_args(argv)
     roots = {"lm": args.megatron_lm, "bridge": args.megatron_bridge}
     out = args.out or Path(tempfile.mkdtemp(prefix="ported_upstream_tests_"))
-    summary = [run_file(n, FILES[n], roots, out, args.verbose) for n in (args.only or FILES)]
+    names = args.only or FILES
+    summary = [run_file(n, FILES[n], roots, out, args.verbose, args.timeout) for n in names]
     total = sum(s["in_scope"] for s in summary)
     passed = sum(s["passed"] for s in summary)
     print(f"total: {passed}/{total} in-scope upstream tests pass ({100 * passed / max(total, 1):.1f}%)")

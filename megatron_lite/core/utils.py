@@ -108,3 +108,22 @@ def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
     ``check_equality``); ``torch.__version__`` compares with a version string itself. Upstream's name,
     which its unit tests call at import."""
     return torch.__version__ >= version if check_equality else torch.__version__ > version
+
+
+def get_te_version():
+    """Transformer Engine's version, ``0.0.0`` where it is not installed (as upstream reports it): this
+    framework does not use TE, so upstream's "TE at least X" branches read as false here."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from torch.torch_version import TorchVersion
+
+    try:
+        return TorchVersion(version("transformer-engine"))
+    except PackageNotFoundError:
+        return TorchVersion("0.0.0")
+
+
+def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+    """Whether Transformer Engine is installed at ``version`` or later (strictly later without
+    ``check_equality``); upstream's name, which its unit tests call at import."""
+    return get_te_version() >= version if check_equality else get_te_version() > version
