@@ -415,6 +415,9 @@ def _run_world(cmd: list[str], cwd: Path, env: dict, timeout_s: int) -> tuple[in
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         return None, log + f"\n[port] killed after {timeout_s} s\n"
+    except BaseException:  # interrupted or terminated ourselves: the world in its own session goes too
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
 
 
 def _port_helpers(spec: UpstreamFile, root: Path, work: Path) -> None:
@@ -512,6 +515,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=int, default=1800, help="seconds one file's world may run")
     parser.add_argument("-v", "--verbose", action="store_true", help="list the failing in-scope tests")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds, so a running world is killed
     roots = {"lm": args.megatron_lm, "bridge": args.megatron_bridge}
     out = args.out or Path(tempfile.mkdtemp(prefix="ported_upstream_tests_"))
     names = args.only or FILES
