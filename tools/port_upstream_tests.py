@@ -199,6 +199,7 @@ torch.Tensor.cuda = lambda self, *a, **k: self
 torch.nn.Module.cuda = lambda self, *a, **k: self
 torch.cuda.set_device = lambda *a, **k: None
 torch.cuda.synchronize = lambda *a, **k: None
+torch.cuda.current_device = lambda: "cpu"  # device=torch.cuda.current_device() makes a CPU tensor
 
 
 # Likewise device="cuda" in a tensor factory (a fixture's loss tensor, say) makes the tensor here.

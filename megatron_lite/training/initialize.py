@@ -48,6 +48,25 @@ def set_random_seeds(seed: int) -> None:
         pass
 
 
+def _set_random_seed(
+    seed_: int,
+    data_parallel_random_init: bool = False,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+) -> None:
+    """Megatron-LM's seeding: ``seed_ + 100 x pipeline rank`` (``+ 10 x data-parallel rank`` with
+    ``data_parallel_random_init``) for Python, NumPy, torch and the model-parallel streams."""
+    if seed_ is None or seed_ <= 0:
+        raise ValueError(f"Seed ({seed_}) should be a positive integer.")
+    initialised = parallel_state.is_initialized()
+    seed = seed_ + 100 * (parallel_state.get_pipeline_model_parallel_rank() if initialised else 0)
+    if data_parallel_random_init and initialised:
+        seed += 10 * parallel_state.get_data_parallel_rank()
+    set_random_seeds(seed)
+    model_parallel_cuda_manual_seed(seed, te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng)
+
+
 def initialize_megatron(config: ConfigContainer) -> ProcessGroupCollection:
     """Collective over the world: every rank builds every model-parallel group."""
     if not torch.cuda.is_available():

@@ -3,6 +3,8 @@ across CP ranks), optionally rotary-embedded and grouped-query (GQA)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -12,6 +14,19 @@ from megatron_lite.core.tensor_parallel.random import checkpoint
 from megatron_lite.core.tensor_parallel.utils import divide
 from megatron_lite.core.transformer.dot_product_attention import DotProductAttention
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    """What a layer spec says self-attention is built of (upstream's names). megatron_lite builds
+    its own column-parallel QKV, DotProductAttention and row-parallel projection; query / key norms
+    are not supported (they must be None or IdentityOp)."""
+
+    linear_qkv: object = None
+    core_attention: object = None
+    linear_proj: object = None
+    q_layernorm: object = None
+    k_layernorm: object = None
 
 
 class SelfAttention(nn.Module):

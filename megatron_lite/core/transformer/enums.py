@@ -14,3 +14,13 @@ class LayerType(enum.Enum):
     encoder = 3
     decoder = 4
     mtp = 5
+
+
+class AttnMaskType(enum.Enum):
+    """The attention mask a layer applies (upstream's values); megatron_lite's attention is causal."""
+
+    padding = 1
+    causal = 2
+    no_mask = 3
+    padding_causal = 4
+    arbitrary = 5

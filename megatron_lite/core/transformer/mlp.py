@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -10,23 +12,46 @@ from megatron_lite.core.tensor_parallel import ColumnParallelLinear, RowParallel
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 
 
+@dataclass
+class MLPSubmodules:
+    """What a layer spec says an MLP is built of (upstream's names). megatron_lite's MLP always uses
+    its column- and row-parallel linears; ``activation_func`` is the config's."""
+
+    linear_fc1: object = None
+    linear_fc2: object = None
+    activation_func: object = None
+
+
 class MLP(nn.Module):
     """``fc2(act(fc1(x)))``, or with ``gated_linear_unit`` ``fc2(act(gate) * value)`` where fc1 makes
     both ``ffn_hidden_size``-wide halves. Each TP rank's fc1 holds its slice of the gate followed by
     its slice of the value (upstream's per-rank layout; stride 2 cuts the full [gate; value] master
-    that way), so the split into the two halves is local."""
+    that way), so the split into the two halves is local.
+
+    Built with upstream's signature (``MLP(config, submodules, ...)``) it returns upstream's
+    ``(output, bias)`` pair, the bias None (added inside); built by megatron_lite's layers without
+    ``submodules`` it returns the output alone."""
 
     def __init__(
         self,
         config: TransformerConfig,
-        *,
-        init_method,
-        output_layer_init_method,
-        tp_group=None,
+        submodules: MLPSubmodules | None = None,
+        is_expert: bool = False,
+        input_size: int | None = None,
         ffn_hidden_size=None,
+        tp_group=None,
+        *,
+        init_method=None,
+        output_layer_init_method=None,
     ):
-        """``ffn_hidden_size``: None means the config's (a shared expert passes its own)."""
+        """``ffn_hidden_size``: None means the config's (a shared expert passes its own); the init
+        methods None mean the config's."""
         super().__init__()
+        if is_expert or (input_size is not None and input_size != config.hidden_size):
+            raise NotImplementedError("megatron_lite's MLP is a dense hidden_size -> hidden_size MLP")
+        init_method = init_method or config.init_method
+        output_layer_init_method = output_layer_init_method or config.output_layer_init_method
+        self.returns_bias = submodules is not None
         self.config = config
         self.activation_func = config.activation_func
         gated = config.gated_linear_unit
@@ -61,4 +86,4 @@ class MLP(nn.Module):
         else:
             intermediate = self.activation_func(intermediate)
         output, _ = self.linear_fc2(intermediate)
-        return output
+        return (output, None) if self.returns_bias else output

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from megatron_lite.core import parallel_state
 from megatron_lite.core.tensor_parallel.random import checkpoint
+from megatron_lite.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
+from megatron_lite.core.transformer.spec_utils import ModuleSpec, get_submodules
 from megatron_lite.core.transformer.torch_norm import WrappedTorchNorm
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 from megatron_lite.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
@@ -24,30 +28,72 @@ def get_num_layers_to_build(
     return pipeline_layer_counts(config)[vp_stage or 0][pp_rank]
 
 
+@dataclass
+class TransformerBlockSubmodules:
+    """A block's layer specs (this stage's layers, in order) and its final norm (upstream's fields;
+    megatron_lite's final norm follows ``config.normalization``)."""
+
+    layer_specs: list | None = None
+    layer_norm: object = None
+
+
+def _layer_specs(config: TransformerConfig, spec, num_layers: int) -> list:
+    """This stage's ``num_layers`` layer specs from a block spec, or one layer spec for every layer."""
+    if isinstance(spec, TransformerBlockSubmodules):
+        specs = spec.layer_specs
+    elif isinstance(spec, ModuleSpec) and issubclass(spec.module, TransformerBlock):
+        specs = spec.submodules.layer_specs
+    elif isinstance(spec, ModuleSpec) and issubclass(spec.module, TransformerLayer):
+        specs = [spec] * num_layers
+    else:
+        raise ValueError(f"Unsupported transformer block spec: {spec!r}")
+    if len(specs) != num_layers:
+        raise ValueError(f"the block spec has {len(specs)} layer specs for this stage's {num_layers} layers")
+    return specs
+
+
 class TransformerBlock(nn.Module):
+    """This stage's layers and, with ``post_process``, the final norm. ``spec`` (upstream's block or
+    layer spec) chooses each layer's MLP (dense or MoE); without it ``config.moe_layer_freq`` does.
+    With a spec, groups and the pipeline rank left unset are parallel_state's."""
+
     def __init__(
         self,
         config: TransformerConfig,
-        *,
-        pp_rank: int = 0,
-        vp_stage: int | None = None,
+        spec=None,
+        post_layer_norm: bool = True,
+        pre_process: bool = True,
         post_process: bool = True,
+        pg_collection=None,
+        vp_stage: int | None = None,
+        *,
+        pp_rank: int | None = 0,
         seed: int = 1234,
         tp_group=None,
         cp_group=None,
-        pg_collection=None,
     ):
         super().__init__()
         self.config = config
+        if spec is not None:
+            pp_rank = (
+                parallel_state.get_pipeline_model_parallel_rank() if parallel_state.is_initialized() else 0
+            )
+            if pg_collection is None and tp_group is None and cp_group is None:
+                pg_collection = get_default_pg_collection()
+            if pg_collection is not None:
+                tp_group = tp_group if tp_group is not None else pg_collection.tp
+                cp_group = cp_group if cp_group is not None else pg_collection.cp
         num_layers = get_num_layers_to_build(config, vp_stage, pp_rank)
         offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        specs = [None] * num_layers if spec is None else _layer_specs(config, spec, num_layers)
         init, scaled = config.init_method, config.output_layer_init_method
         layers = []
-        for i in range(offset, offset + num_layers):
+        for i, layer_spec in zip(range(offset, offset + num_layers), specs, strict=True):
             with seeded_init(seed, f"layer {i}"):
                 layers.append(
                     TransformerLayer(
                         config,
+                        None if layer_spec is None else get_submodules(layer_spec),
                         i + 1,
                         init_method=init,
                         output_layer_init_method=scaled,
@@ -58,7 +104,8 @@ class TransformerBlock(nn.Module):
                     )
                 )
         self.layers = nn.ModuleList(layers)
-        self.final_layernorm = WrappedTorchNorm(config, config.hidden_size) if post_process else None
+        final_norm = post_process and post_layer_norm
+        self.final_layernorm = WrappedTorchNorm(config, config.hidden_size) if final_norm else None
 
     def _run_layers(self, start: int, end: int):
         def run(hidden_states, rotary_pos_emb):
@@ -90,8 +137,12 @@ class TransformerBlock(nn.Module):
         return hidden_states
 
     def forward(
-        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``attention_mask`` (upstream's argument) is not read: megatron_lite's attention is causal."""
         if self.config.recompute_granularity == "full" and self.training:
             hidden_states = self._checkpointed_forward(hidden_states, rotary_pos_emb)
         else:

@@ -138,6 +138,27 @@ class TransformerConfig(ModelParallelConfig):
     """Pad every expert's input to its capacity (needs a capacity factor)."""
     moe_token_drop_policy: str = "probs"
     """Over capacity, keep the tokens with the highest ``probs`` or the earliest ``position``."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias (``expert_bias``) added to the scores that choose
+    the experts (sigmoid / sqrtsoftplus), updated from the routed-token counts."""
+    moe_router_bias_update_rate: float = 1e-3
+    """How far each expert bias moves per update (aux-loss-free balancing)."""
+    moe_router_dtype: str | None = None
+    """The router's logits and probabilities in ``fp32`` or ``fp64``; None means the input's dtype."""
+    moe_router_force_load_balancing: bool = False
+    """Route on random logits (a load-balanced benchmark), gradients passed straight through."""
+    moe_router_num_groups: int | None = None
+    """Expert groups for group-limited routing (e.g. the expert-parallel size); None for none."""
+    moe_router_group_topk: int | None = None
+    """Groups each token may use under group-limited routing."""
+    moe_router_fusion: bool = False
+    """Transformer Engine's fused routing kernels (not supported: False)."""
+    moe_input_jitter_eps: float | None = None
+    """Multiply the router's input by uniform noise in [1 - eps, 1 + eps]; None for none."""
+    fp8: str | None = None
+    """FP8 training (Transformer Engine; not supported: None)."""
+    bias_activation_fusion: bool = False
+    """Fuse the MLP's bias add into its activation (the result is the same unfused)."""
     init_method: Callable | None = _DefaultInit(scaled=False)
     """Initialiser of the weights feeding no residual; None means normal(0, init_method_std)."""
     output_layer_init_method: Callable | None = _DefaultInit(scaled=True)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.core.fusions.fused_bias_swiglu import fuses, weighted_swiglu
-from megatron_lite.core.process_group_utils import kernel_device_type
+from megatron_lite.core.process_group_utils import get_pg_rank, get_pg_size, kernel_device_type
 from megatron_lite.core.tensor_parallel.utils import init_partition_, set_tensor_model_parallel_attributes
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 from megatron_lite.core.utils import seeded_init
@@ -149,8 +149,34 @@ def bias_rows(biases, tokens_per_expert: list[int], like: torch.Tensor) -> torch
     )
 
 
+def _upstream_arguments(num_local_experts, config, submodules=None, pg_collection=None, name=None):
+    """megatron_lite's arguments for upstream's ``(num_local_experts, config, submodules,
+    pg_collection)``: the experts of this expert-parallel rank (groups parallel_state's when None),
+    drawn as layer 1's."""
+    from megatron_lite.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    pg = pg_collection or get_default_pg_collection()
+    offset = get_pg_rank(pg.ep) * num_local_experts
+    etp = (get_pg_rank(pg.expt_tp), get_pg_size(pg.expt_tp))
+    return (config, num_local_experts, offset), dict(layer_number=1, etp=etp, seed=1234)
+
+
 class _ExpertsBase(nn.Module):
-    def __init__(
+    """Built as megatron_lite's ``(config, num_local_experts, local_expert_offset, layer_number=,
+    etp=, seed=)``, or with upstream's signature ``(num_local_experts, config, submodules,
+    pg_collection=None)``, which also makes forward return upstream's ``(output, bias)`` pair."""
+
+    def __init__(self, *args, **kwargs):
+        upstream = isinstance(args[0], int)
+        if upstream:
+            args, kwargs = _upstream_arguments(*args, **kwargs)
+        self._setup(*args, **kwargs)
+        self.returns_bias = upstream
+
+    def _output(self, out: torch.Tensor):
+        return (out, None) if self.returns_bias else out
+
+    def _setup(
         self,
         config: TransformerConfig,
         num_local_experts: int,
@@ -160,7 +186,7 @@ class _ExpertsBase(nn.Module):
         etp,
         seed,
     ):
-        super().__init__()
+        nn.Module.__init__(self)
         self.seed = seed
         self.config = config
         self.num_local_experts = num_local_experts
@@ -199,8 +225,8 @@ class _ExpertsBase(nn.Module):
 class TEGroupedMLP(_ExpertsBase):
     """The local experts as two grouped projections (``linear_fc1.weight<i>``, ``linear_fc2.weight<i>``)."""
 
-    def __init__(self, config, num_local_experts, local_expert_offset, *, layer_number, etp, seed):
-        super().__init__(
+    def _setup(self, config, num_local_experts, local_expert_offset, *, layer_number, etp, seed):
+        super()._setup(
             config, num_local_experts, local_expert_offset, layer_number=layer_number, etp=etp, seed=seed
         )
         experts = [(str(i), local_expert_offset + i) for i in range(num_local_experts)]
@@ -217,7 +243,7 @@ class TEGroupedMLP(_ExpertsBase):
         if self.linear_fc2.has_bias:
             bias = bias_rows(self.linear_fc2.biases(), tokens_per_expert, out)
             out = out + bias * probs.unsqueeze(-1).to(out.dtype)
-        return out
+        return self._output(out)
 
 
 class _ExpertMLP(nn.Module):
@@ -232,8 +258,8 @@ class _ExpertMLP(nn.Module):
 class SequentialMLP(_ExpertsBase):
     """The local experts as ``local_experts.<i>``, one MLP each, run one after the other."""
 
-    def __init__(self, config, num_local_experts, local_expert_offset, *, layer_number, etp, seed):
-        super().__init__(
+    def _setup(self, config, num_local_experts, local_expert_offset, *, layer_number, etp, seed):
+        super()._setup(
             config, num_local_experts, local_expert_offset, layer_number=layer_number, etp=etp, seed=seed
         )
         self.local_experts = nn.ModuleList(
@@ -255,4 +281,4 @@ class SequentialMLP(_ExpertsBase):
             if fc2.has_bias:
                 out = out + fc2.bias.to(out.dtype) * p.unsqueeze(-1).to(out.dtype)
             outputs.append(out)
-        return torch.cat(outputs) if outputs else hidden.new_empty((0, self.config.hidden_size))
+        return self._output(torch.cat(outputs) if outputs else hidden.new_empty((0, self.config.hidden_size)))

@@ -1,25 +1,27 @@
-"""The router's arithmetic, with megatron.core.transformer.moe.moe_utils' names and formulas: top-k
-routing over softmax or sigmoid scores, the capacity an expert takes, token dropping and padding, the
-Switch Transformer load-balancing loss and the ST-MoE z-loss, the autograd hook that adds an
-auxiliary loss's gradient to the backward pass, and track_moe_metrics (upstream's logging entry point
-over moe_logging's tracker)."""
+"""megatron.core.transformer.moe.moe_utils: the Switch Transformer load-balancing loss and the
+ST-MoE z-loss, the autograd hook that adds an auxiliary loss's gradient to the backward pass, the
+default MoE process groups, and track_moe_metrics (upstream's logging entry point over moe_logging's
+tracker). The routing arithmetic lives in ``routing`` and is re-exported here under upstream's path."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-def get_capacity(
-    num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int | None = None
-) -> int:
-    """Tokens one expert takes: ``ceil(num_tokens / num_experts * capacity_factor)``, at least
-    ``min_capacity``."""
-    capacity = math.ceil((num_tokens / num_experts) * capacity_factor)
-    if min_capacity is not None and capacity < min_capacity:
-        capacity = min_capacity
-    return capacity
+from megatron_lite.core import parallel_state
+from megatron_lite.core.process_groups_config import ProcessGroupCollection
+from megatron_lite.core.transformer.moe.routing import (  # noqa: F401  (upstream's import path)
+    RandomSTE,
+    RouterGatingLinearFunction,
+    apply_random_logits,
+    apply_router_token_dropping,
+    compute_routing_scores_for_aux_loss,
+    get_capacity,
+    get_updated_expert_bias,
+    group_limited_topk,
+    router_gating_linear,
+    sinkhorn,
+    topk_routing_with_score_function,
+)
 
 
 def switch_load_balancing_loss_func(
@@ -29,20 +31,43 @@ def switch_load_balancing_loss_func(
     topk: int,
     num_experts: int,
     moe_aux_loss_coeff: float,
+    fused: bool = False,
+    padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``coeff * E * sum_i f_i P_i``: f_i the fraction of the ``total_num_tokens`` x topk routings that
     chose expert i (``tokens_per_expert``, counted over the whole sequence), P_i the mean probability
     given to it. ``probs`` may be this rank's part of the sequence only: the parts' losses then add
-    up to the whole sequence's."""
+    up to the whole sequence's. ``padding_mask`` [tokens], True for the tokens that count."""
+    if fused:
+        raise ValueError(
+            "the fused load-balancing loss needs Transformer Engine, which megatron_lite does not use"
+        )
+    if padding_mask is not None:
+        probs = probs * padding_mask.unsqueeze(-1)
     aggregated_probs_per_expert = probs.sum(dim=0)
     return torch.sum(aggregated_probs_per_expert * tokens_per_expert) * (
         num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens)
     )
 
 
-def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
-    """``coeff * mean(logsumexp(logits)^2)``: keeps the router's logits small."""
-    return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * z_loss_coeff
+def z_loss_func(
+    logits: torch.Tensor, z_loss_coeff: float, padding_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``coeff * mean(logsumexp(logits)^2)``: keeps the router's logits small. ``padding_mask``
+    [tokens], True at padding: the mean is over the other tokens."""
+    z = torch.square(torch.logsumexp(logits, dim=-1))
+    if padding_mask is None:
+        return torch.mean(z) * z_loss_coeff
+    valid = ~padding_mask
+    return (z * valid).sum() / torch.clamp(valid.sum(), min=1.0) * z_loss_coeff
+
+
+def get_default_pg_collection() -> ProcessGroupCollection:
+    """parallel_state's groups (those a MoE layer uses among them); no groups before it is
+    initialised, which a MoE layer reads as no parallelism."""
+    if not parallel_state.is_initialized():
+        return ProcessGroupCollection()
+    return ProcessGroupCollection.use_mpu_process_groups()
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
@@ -92,85 +117,6 @@ def combine_rows(source: torch.Tensor, index: torch.Tensor, rows: int) -> torch.
     keeps is the index alone (autograd's ``index_add`` saves its source too, for its shape), as
     megatron-core's ``unpermute``, a ``scatter_add``, keeps no source."""
     return _CombineRows.apply(source, index, rows)
-
-
-def topk_routing_with_score_function(
-    logits: torch.Tensor,
-    topk: int,
-    use_pre_softmax: bool = False,
-    scaling_factor: float | None = None,
-    score_function: str = "softmax",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(routing_probs, routing_map)``, both ``[tokens, experts]``: each token's top-k experts
-    (``routing_map``) and their weights, zero elsewhere.
-
-    softmax: over all experts before the top-k with ``use_pre_softmax``, else over the top-k logits
-    (which equals renormalising the chosen experts' probabilities). sigmoid: the chosen experts'
-    sigmoids, renormalised to sum to one when topk > 1."""
-    if score_function == "softmax":
-        if use_pre_softmax:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            probs, top_indices = torch.topk(scores, k=topk, dim=1)
-        else:
-            scores, top_indices = torch.topk(logits, k=topk, dim=1)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    elif score_function == "sigmoid":
-        scores, top_indices = torch.topk(torch.sigmoid(logits.float()), k=topk, dim=1)
-        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
-    else:
-        raise ValueError(f"Invalid score_function: {score_function}")
-    if scaling_factor:
-        probs = probs * scaling_factor
-    probs = probs.type_as(logits)
-    routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
-    routing_map = torch.zeros_like(logits, dtype=torch.int).scatter(1, top_indices, 1).bool()
-    return routing_probs, routing_map
-
-
-def compute_routing_scores_for_aux_loss(
-    logits: torch.Tensor, topk: int, score_function: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(routing_map, scores)`` the load-balancing loss uses: the top-k over the normalised scores
-    of all experts (softmax, or sigmoids divided by their sum)."""
-    if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float())
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    else:
-        raise ValueError(f"Invalid score_function: {score_function}")
-    _, top_indices = torch.topk(scores, k=topk, dim=1)
-    routing_map = torch.zeros_like(logits, dtype=torch.int).scatter(1, top_indices, 1).bool()
-    return routing_map, scores
-
-
-def apply_router_token_dropping(
-    routing_probs: torch.Tensor,
-    routing_map: torch.Tensor,
-    router_topk: int,
-    capacity_factor: float,
-    drop_policy: str = "probs",
-    pad_to_capacity: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each expert keeps at most ``get_capacity(tokens x topk, experts, capacity_factor)`` tokens:
-    those with the highest probabilities (``probs``) or the first ones (``position``). With
-    ``pad_to_capacity`` every expert takes exactly that many (the extra ones with probability 0)."""
-    num_tokens, num_experts = routing_probs.shape
-    capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
-    if capacity > num_tokens:
-        capacity_mask = torch.ones_like(routing_map)
-    else:
-        if drop_policy == "probs":
-            ranking = routing_probs
-        elif drop_policy == "position":
-            ranking = routing_map.int()
-        else:
-            raise ValueError(f"Invalid drop_policy: {drop_policy}")
-        # Ties (position: every chosen token scores 1) keep the earliest tokens: a stable sort.
-        order = torch.sort(ranking, dim=0, descending=True, stable=True).indices[:capacity]
-        capacity_mask = torch.zeros_like(routing_map).scatter(0, order, True)
-    final_map = capacity_mask if pad_to_capacity else routing_map & capacity_mask
-    return routing_probs * final_map, final_map
 
 
 def track_moe_metrics(
