@@ -210,6 +210,17 @@ class ShardedObject(ShardedBase):
         return cls(key, None, shape, offset, replica_id)
 
 
+class LocalNonpersistentObject:
+    """A value a save leaves out and a load puts back as this rank has it (e.g. a torch optimizer's
+    ``params`` ids per group, which are this process's own)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def unwrap(self):
+        return self.obj
+
+
 FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, slice | None], ShardedStateDict]
 FactoryMergeFn = Callable[[StateDict], torch.Tensor]
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from megatron_lite.core.dist_checkpointing.dict_utils import extract_matching_values
+from megatron_lite.core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values
 from megatron_lite.core.dist_checkpointing.mapping import (
     CommonStateDict,
+    LocalNonpersistentObject,
     ShardedBase,
     ShardedStateDict,
     ShardedTensorFactory,
@@ -37,6 +38,7 @@ def save_preprocess(
     rank's common part differs from rank 0's (after ``preprocess_common_before_consistancy_check``,
     given a copy). Collective then."""
     apply_factories(sharded_state_dict)
+    _, sharded_state_dict = _extract_nonpersistent(sharded_state_dict)  # never saved
     sharded_part, common = extract_sharded_base(sharded_state_dict)
     if validate_access_integrity:
         checked = common
@@ -47,11 +49,18 @@ def save_preprocess(
     return sharded_part, common
 
 
+def _extract_nonpersistent(sharded_state_dict: ShardedStateDict) -> tuple[StateDict, StateDict]:
+    return extract_matching_values(sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+
+
 def load_preprocess(sharded_state_dict: ShardedStateDict) -> tuple[ShardedStateDict, StateDict, StateDict]:
-    """(the request with its factories built, its non-persistent values (none in megatron_lite), its
-    factories, lists as dicts by index: what ``apply_factory_merges`` puts back after the load)."""
+    """(the request with its factories built and without its non-persistent values, those values
+    unwrapped (put back as this rank has them), its factories, lists as dicts by index: what
+    ``apply_factory_merges`` puts back after the load)."""
     factories, _ = extract_matching_values(
         sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True
     )
     apply_factories(sharded_state_dict)
-    return sharded_state_dict, {}, factories
+    nonpersistent, sharded_state_dict = _extract_nonpersistent(sharded_state_dict)
+    dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
+    return sharded_state_dict, nonpersistent, factories

@@ -229,3 +229,7 @@ class MegatronOptimizer:
                 for u, saved in zip(self.units, state["fp32_from_fp16_params"], strict=True):
                     u.main.copy_(saved)
                     u.param.copy_(saved)
+
+
+# Upstream's mixed-precision optimizer class, at its upstream path (megatron.core.optimizer.optimizer).
+from megatron_lite.core.optimizer.float16_optimizer import Float16OptimizerWithFloat16Params  # noqa: E402, F401

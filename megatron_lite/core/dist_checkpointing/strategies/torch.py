@@ -137,6 +137,7 @@ class TorchDistLoadShardedStrategy:
         tensors, objects = _split(sharded_state_dict)
         for piece in tensors:
             piece.init_data("cpu")
+            piece.data = piece.data.detach()  # read in place, as upstream: a parameter's too
             if piece.allow_shape_mismatch:
                 piece.data.zero_()
         reader = SafeFileSystemReader(str(checkpoint_dir), metadata)

@@ -5,15 +5,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_lite.core import parallel_state
 from megatron_lite.core.fusions.fused_linear_cross_entropy import output_layer_cross_entropy
 from megatron_lite.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_lite.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron_lite.core.models.gpt.sharded_tensors import gpt_sharded_state_dict
 from megatron_lite.core.process_group_utils import get_pg_rank, get_pg_size
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 from megatron_lite.core.transformer.transformer_block import TransformerBlock
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 from megatron_lite.core.utils import init_method_normal, seeded_init
+
+
+def _refuse_unsupported(
+    fp16_lm_cross_entropy, logit_dtype, parallel_output, scatter_embedding_sp, mtp_block_spec
+):
+    """Upstream's arguments for features megatron_lite does not have: accepted at their defaults only."""
+    for wanted, what in (
+        (fp16_lm_cross_entropy, "fp16_lm_cross_entropy (the loss in half precision)"),
+        (logit_dtype is not None, "logit_dtype"),
+        (not parallel_output, "parallel_output=False (logits gathered over TP)"),
+        (not scatter_embedding_sp, "scatter_embedding_sequence_parallel=False"),
+        (mtp_block_spec is not None, "multi-token prediction (mtp_block_spec)"),
+    ):
+        if wanted:
+            raise NotImplementedError(f"GPTModel: {what} is not supported by megatron_lite")
 
 
 class GPTModel(nn.Module):
@@ -29,22 +46,49 @@ class GPTModel(nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        vocab_size: int,
-        max_sequence_length: int,
-        *,
+        transformer_layer_spec=None,
+        vocab_size: int | None = None,
+        max_sequence_length: int | None = None,
         pre_process: bool = True,
         post_process: bool = True,
-        share_embeddings_and_output_weights: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        logit_dtype: torch.dtype | None = None,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool | None = None,
         position_embedding_type: str = "learned_absolute",
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,
-        seq_len_interpolation_factor: float | None = None,
         rope_scaling: bool = False,
         rope_scaling_factor: float = 8.0,
-        seed: int = 1234,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: float | None = None,
+        mtp_block_spec=None,
         pg_collection: ProcessGroupCollection | None = None,
         vp_stage: int | None = None,
+        *,
+        seed: int = 1234,
     ):
+        """Upstream's signature, ``GPTModel(config, transformer_layer_spec, vocab_size,
+        max_sequence_length, ...)``: the spec chooses each layer's MLP; groups left unset are
+        parallel_state's; the output layer is untied unless asked. megatron_lite's own older form,
+        ``GPTModel(config, vocab_size, max_sequence_length, ...)`` (no spec: an int second), keeps its
+        defaults: tied output layer, no groups unless given, layers from the config."""
+        if transformer_layer_spec is None or isinstance(transformer_layer_spec, int):
+            if isinstance(transformer_layer_spec, int):  # the older form, shifted by one place
+                vocab_size, max_sequence_length = transformer_layer_spec, vocab_size
+            transformer_layer_spec = None
+            if share_embeddings_and_output_weights is None:
+                share_embeddings_and_output_weights = True
+        elif pg_collection is None and parallel_state.model_parallel_is_initialized():
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        share_embeddings_and_output_weights = bool(share_embeddings_and_output_weights)
+        _refuse_unsupported(
+            fp16_lm_cross_entropy,
+            logit_dtype,
+            parallel_output,
+            scatter_embedding_sequence_parallel,
+            mtp_block_spec,
+        )
         super().__init__()
         self.vp_stage = vp_stage
         self.config = config
@@ -81,8 +125,11 @@ class GPTModel(nn.Module):
                 use_cpu_initialization=config.use_cpu_initialization,
                 cp_group=cp_group,
             )
+        self.transformer_layer_spec = transformer_layer_spec
+        self.max_sequence_length = max_sequence_length
         self.decoder = TransformerBlock(
             config,
+            transformer_layer_spec,
             pp_rank=pp_rank,
             vp_stage=vp_stage,
             post_process=post_process,
@@ -134,6 +181,11 @@ class GPTModel(nn.Module):
         if self.post_process:
             return self.output_layer.weight
         return None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Upstream's: ``{state-dict key: ShardedTensor}`` for ``dist_checkpointing.save`` / ``load``,
+        in the layout-independent ``torch_dist`` layout (``sharded_tensors``)."""
+        return gpt_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def forward(
         self,
