@@ -15,6 +15,23 @@ from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.transformer.transformer_config import TransformerConfig
 
 
+def local_layer_spec(config: GPTModelProvider):
+    """The layer spec of plain torch modules (megatron-core's "local" spec) for ``config``."""
+    from megatron_lite.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=getattr(config, "qk_layernorm", False),
+        normalization=config.normalization,
+    )
+
+
+def default_layer_spec(config: GPTModelProvider):
+    """Upstream picks Transformer Engine's spec where it is installed; megatron_lite has the local one."""
+    return local_layer_spec(config)
+
+
 @dataclass(kw_only=True)
 class GPTModelProvider(TransformerConfig):
     """A decoder-only GPT: GPT-2-shaped by default (learned positions, LayerNorm, GELU), Llama-shaped
@@ -54,6 +71,22 @@ class GPTModelProvider(TransformerConfig):
     the fused loss (--cross-entropy-loss-fusion) always does."""
     init_seed: int = 1234
     """Seed of the layout-independent weight init (setup sets it from ``RNGConfig.seed``)."""
+    # The layer spec, or a function of this provider giving it (upstream's field; megatron_lite builds its
+    # layers from the config, the spec names the same local modules). Not a field: checkpoints pickle
+    # the config's fields, and a function there is code a load would have to trust.
+    transformer_layer_spec = staticmethod(default_layer_spec)
+    # Fused kernels upstream turns on for imported models (Megatron-Bridge's field values). megatron_lite
+    # computes the same results unfused, so they only record what the source asked for.
+    bias_activation_fusion: bool = False
+    """Fuse the MLP's bias add into its activation."""
+    bias_dropout_fusion: bool = False
+    """Fuse the bias add, dropout and residual add."""
+    masked_softmax_fusion: bool = False
+    """Fuse the attention mask into its softmax."""
+    persist_layer_norm: bool = False
+    """Apex's persistent layer-norm kernel."""
+    attention_softmax_in_fp32: bool = False
+    """Run the attention softmax in fp32 under bf16 / fp16."""
     # Groups the model is built with (parallel_state's when None); setup sets it, as upstream. A
     # plain class attribute, not a field: checkpoints store the config with ``asdict``, which would
     # try to copy process groups.
@@ -96,6 +129,40 @@ class GPTModelProvider(TransformerConfig):
         for hook in self._pre_wrap_hooks:
             model = hook([model])[0]
         return model
+
+    def provide_distributed_model(
+        self, ddp_config=None, model_type=None, overlap_param_gather_with_optimizer_step: bool = False,
+        fp16: bool | None = None, bf16: bool | None = None, use_megatron_fsdp: bool = False,
+        use_torch_fsdp2: bool = False, wrap_with_ddp: bool = True, data_parallel_random_init: bool = True,
+        use_cpu_initialization: bool | None = False, init_model_with_meta_device: bool | None = None,
+        pre_wrap_hook=None, post_wrap_hook=None, mixed_precision_wrapper=None,
+    ) -> list:  # fmt: skip
+        """This rank's model chunks (one per virtual stage), each in megatron_lite's DDP over the
+        data-parallel (with context-parallel) group unless ``wrap_with_ddp`` is False; Megatron-Bridge's
+        call. The FSDP variants and mixed-precision wrappers are refused: megatron_lite has neither."""
+        from megatron_lite.core.distributed import DistributedDataParallel
+
+        if use_megatron_fsdp or use_torch_fsdp2 or init_model_with_meta_device:
+            raise ValueError("provide_distributed_model: megatron_lite has no FSDP or meta-device init")
+        if fp16 or bf16 or mixed_precision_wrapper is not None:
+            raise ValueError("provide_distributed_model: set the provider's params_dtype (no Float16Module)")
+        if use_cpu_initialization is not None:
+            self.use_cpu_initialization = use_cpu_initialization
+        vp = getattr(self, "virtual_pipeline_model_parallel_size", None)
+        chunks = [self.provide(vp_stage=i if vp else None) for i in range(vp or 1)]
+        if pre_wrap_hook is not None:
+            chunks = pre_wrap_hook(chunks) or chunks
+        if wrap_with_ddp:
+            pg = self._pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+            chunks = [
+                DistributedDataParallel(
+                    self, c, dp_group=pg.dp_cp, ddp_config=ddp_config, expt_dp_group=pg.expt_dp
+                )
+                for c in chunks
+            ]
+        if post_wrap_hook is not None:
+            chunks = post_wrap_hook(chunks) or chunks
+        return chunks
 
     def register_pre_wrap_hook(self, hook) -> None:
         """Run ``hook(model_chunks) -> model_chunks`` on each model this provider builds, before it is

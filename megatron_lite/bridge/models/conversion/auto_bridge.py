@@ -1,5 +1,6 @@
-"""AutoBridge: a Hugging Face model directory in and out of megatron_lite, at any TP / PP layout, as
-Megatron-Bridge's ``megatron.bridge.AutoBridge``. Local directories only: nothing is downloaded.
+"""AutoBridge: a Hugging Face model in and out of megatron_lite at any TP / PP layout, with
+Megatron-Bridge's API (``megatron.bridge.AutoBridge``). Local directories only: nothing is downloaded,
+no code from a model directory runs.
 
     bridge = AutoBridge.from_hf_pretrained("/models/Llama-3.1-8B")
     provider = bridge.to_megatron_provider()   # a GPTModelProvider from config.json; provide() loads
@@ -10,50 +11,49 @@ Megatron-Bridge's ``megatron.bridge.AutoBridge``. Local directories only: nothin
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import time
+from contextlib import nullcontext
+from functools import cached_property, partial
+from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
+from megatron_lite.bridge.models.conversion import model_bridge
 from megatron_lite.bridge.models.conversion.errors import BridgeError
-from megatron_lite.bridge.models.conversion.hf_config import read_config
-from megatron_lite.bridge.models.conversion.model_bridge import MegatronModelBridge
-from megatron_lite.bridge.models.hf_pretrained.safe_tensors import SafeTensorsCheckpoint, ShardedWriter
-from megatron_lite.models.gpt_provider import GPTModelProvider
-from megatron_lite.utils.atomic_io import replace_directory, write_error_line
-
-# What transformers' save_pretrained writes beside the weights, copied from the source as they are.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "generation_config.json",
+from megatron_lite.bridge.models.conversion.hf_config import UNSUPPORTED
+from megatron_lite.bridge.models.hf_pretrained.architectures import (  # noqa: F401  (upstream's module names)
+    HF_ARCHITECTURE_ALIASES,
+    MTP_CONFIG_FIELDS,
+    PRETRAINED_WRAPPER_TYPES,
+    SUPPORTED_HF_ARCHITECTURES,
+    SUPPORTED_HF_ARCHITECTURES_DISPLAY,
+    _config_disables_mtp,
+    _drop_readonly_config_properties,
+    _model_omits_mtp,
+    _mtp_source_key_prefixes,
+    _resolve_pretrained_wrapper_cls,
+    _saved_config_disables_mtp,
 )
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from megatron_lite.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM, _ConfigOnlyPretrainedShim
+from megatron_lite.bridge.models.hf_pretrained.export_directory import write_hf_weights
+from megatron_lite.bridge.models.hf_pretrained.masked_lm import PreTrainedMaskedLM
+from megatron_lite.bridge.models.hf_pretrained.safe_config_loader import (
+    REMOTE_CODE_REFUSED,
+    JSONConfig,
+    safe_load_config_with_retry,
+)
+from megatron_lite.bridge.models.hf_pretrained.state import SafeTensorsStateSource  # noqa: F401
+from megatron_lite.bridge.models.hf_pretrained.token_classification import PreTrainedTokenClassification
 
+try:  # the architecture classes dispatch by; without transformers, by their names
+    import transformers
+    from transformers.configuration_utils import PretrainedConfig
 
-def _chunks(model) -> list:
-    """The model chunks, unwrapped from DDP (``.module``) as Megatron-Bridge's unwrap_model does."""
-    chunks = model if isinstance(model, list) else [model]
-    unwrapped = []
-    for chunk in chunks:
-        while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
-            chunk = chunk.module
-        unwrapped.append(chunk)
-    return unwrapped
+    _CONFIG_TYPES: tuple[type, ...] = (PretrainedConfig, JSONConfig)
+except ImportError:
+    transformers = None
+    _CONFIG_TYPES = (JSONConfig,)
 
-
-def _reason(err: Exception) -> str:
-    if isinstance(err, OSError):
-        return write_error_line(err)
-    return f"{type(err).__name__}: {err}".splitlines()[0]
+__all__ = ["AutoBridge", "PreTrainedCausalLM", "PreTrainedMaskedLM", "PreTrainedTokenClassification"]
 
 
 def _rank0() -> bool:
@@ -61,120 +61,408 @@ def _rank0() -> bool:
 
 
 class AutoBridge:
-    """One Hugging Face model directory and the family bridge that reads it."""
+    """A Hugging Face model (a ``PreTrainedCausalLM`` / ``PreTrainedMaskedLM`` /
+    ``PreTrainedTokenClassification`` wrapper, or a config alone) and the family bridge that reads it."""
 
-    def __init__(self, path: str, hf_config: dict, model_bridge: MegatronModelBridge):
-        self.hf_path, self.hf_config, self._model_bridge = path, hf_config, model_bridge
+    def __init__(self, hf_pretrained):
+        if not isinstance(hf_pretrained, (*PRETRAINED_WRAPPER_TYPES, *_CONFIG_TYPES)):
+            raise ValueError(
+                "hf_pretrained must be a PreTrainedCausalLM, PreTrainedMaskedLM, "
+                "PreTrainedTokenClassification, or PretrainedConfig instance"
+            )
+        self.hf_pretrained = hf_pretrained
+        self.export_weight_dtype = "bf16"
+        self.hf_model_id: str | None = None
+        init_kwargs = getattr(hf_pretrained, "init_kwargs", {})
+        revision = init_kwargs.get("revision") if isinstance(init_kwargs, dict) else None
+        self.hf_model_revision = revision if isinstance(revision, str) else None
+        trust_remote_code = getattr(hf_pretrained, "trust_remote_code", False)
+        self.trust_remote_code = trust_remote_code if isinstance(trust_remote_code, bool) else False
 
+    # ---- which models ----
     @classmethod
     def list_supported_models(cls) -> list[str]:
-        return MegatronModelBridge.supported_model_types()
+        """The architecture names a bridge is registered for."""
+        registry = getattr(model_bridge.get_model_bridge, "_exact_types", {})
+        return sorted(k if isinstance(k, str) else getattr(k, "__name__", str(k)) for k in registry)
 
     @classmethod
-    def supports(cls, config: dict) -> bool:
-        return config.get("model_type") in MegatronModelBridge.supported_model_types()
+    def supports(cls, config) -> bool:
+        """Whether one of the config's architectures ends as AutoBridge's do (``ForCausalLM``, ...)."""
+        architectures = getattr(config, "architectures", None) or []
+        return any(arch.endswith(SUPPORTED_HF_ARCHITECTURES) for arch in architectures)
 
     @classmethod
-    def from_hf_pretrained(cls, path: str, **kwargs) -> AutoBridge:
-        """A bridge for the model in local directory ``path`` (config.json and safetensors weights).
-        Reads config.json only; the weights are read when a model is loaded."""
-        if kwargs.get("trust_remote_code"):
-            raise BridgeError("trust_remote_code: megatron_lite runs no code from a model directory")
-        path = os.fspath(path)
-        config = read_config(path)
-        bridge = MegatronModelBridge.for_model_type(config.get("model_type"))()
-        return cls(path, config, bridge)
+    def _validate_config(cls, config, path: str | None = None) -> None:
+        """ValueError unless the config names a supported architecture with a registered bridge."""
+        architectures = getattr(config, "architectures", None) or []
+        if not cls.supports(config):
+            raise BridgeError(
+                f"{path or 'config'}: Model architecture not supported by AutoBridge: {architectures} "
+                f"(AutoBridge takes architectures ending in {SUPPORTED_HF_ARCHITECTURES_DISPLAY})"
+            )
+        architecture = next(a for a in architectures if a.endswith(SUPPORTED_HF_ARCHITECTURES))
+        name = HF_ARCHITECTURE_ALIASES.get(architecture, architecture)
+        registry = getattr(model_bridge.get_model_bridge, "_exact_types", {})
+        if name not in registry and architecture not in registry:
+            raise BridgeError(
+                f"{path or 'config'}: Model architecture '{architecture}' is not yet supported; "
+                f"megatron_lite imports {', '.join(cls.list_supported_models())}"
+            )
 
-    def to_megatron_provider(self, load_weights: bool = True, hf_path: str | None = None) -> GPTModelProvider:
-        """A GPTModelProvider of config.json's architecture; with ``load_weights`` each model it
-        provides is filled with this rank's shard of the weights (of ``hf_path`` when given)."""
-        provider = self._model_bridge.provider_bridge(self.hf_config)
-        # transformers >= 4.56 writes "dtype", earlier versions "torch_dtype".
-        dtype = self.hf_config.get("dtype", self.hf_config.get("torch_dtype"))
-        provider.params_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-            dtype, torch.float32
+    @staticmethod
+    def _check_model_type(config) -> None:
+        """megatron_lite's own refusal of a model_type it cannot build (one line naming the field)."""
+        model_type = getattr(config, "model_type", None)
+        if not isinstance(model_type, str):
+            return
+        if model_type in UNSUPPORTED:
+            raise BridgeError(
+                f"config.json: {UNSUPPORTED[model_type]} of model_type {model_type!r} is not supported by megatron_lite"
+            )
+        model_bridge.MegatronModelBridge.for_model_type(model_type)
+
+    @classmethod
+    def can_handle(cls, path, trust_remote_code: bool = False) -> bool:
+        try:
+            cls._validate_config(
+                safe_load_config_with_retry(path, trust_remote_code=trust_remote_code), str(path)
+            )
+            return True
+        except Exception:  # any reason the model cannot be read is a "no"
+            return False
+
+    # ---- construction ----
+    @classmethod
+    def from_hf_config(cls, config) -> AutoBridge:
+        """A bridge of a config alone (no weights): providers for random initialisation, export."""
+        cls._validate_config(config)
+        return cls(config)
+
+    @classmethod
+    def from_hf_pretrained(cls, path, **kwargs) -> AutoBridge:
+        """A bridge of the local model directory ``path``: reads config.json now, the weights when a
+        model is loaded. ``kwargs`` go to the wrapper's ``from_pretrained``."""
+        config_kwargs = dict(kwargs)
+        trust_remote_code = bool(config_kwargs.pop("trust_remote_code", False))
+        config = safe_load_config_with_retry(path, trust_remote_code=trust_remote_code, **config_kwargs)
+        cls._validate_config(config, str(path))
+        cls._check_model_type(config)
+        wrapper_cls = _resolve_pretrained_wrapper_cls(config)
+        try:
+            hf_pretrained = wrapper_cls.from_pretrained(path, **kwargs)
+            hf_pretrained.config = config  # the config validated above, not a second read
+            return cls(hf_pretrained)
+        except Exception as err:
+            raise BridgeError(f"Failed to load model with AutoBridge: {err}") from err
+
+    @classmethod
+    def from_auto_config(cls, megatron_path, hf_model_id, trust_remote_code: bool = False) -> AutoBridge:
+        """A config-only bridge whose Hugging Face config is the megatron checkpoint's model (its
+        ``run_config.yaml``, in the root or the latest ``iter_*``) written in ``hf_model_id``'s keys."""
+        from megatron_lite.bridge.models.conversion import utils as conversion_utils
+        from megatron_lite.training import model_load_save
+
+        checkpoint = Path(megatron_path)
+        if not checkpoint.exists():
+            raise FileNotFoundError(f"Megatron checkpoint not found: {checkpoint}")
+        run_config = checkpoint / "run_config.yaml"
+        if not run_config.exists():
+            iters = [d for d in checkpoint.iterdir() if d.is_dir() and d.name.startswith("iter_")]
+            if iters:
+                run_config = (
+                    max(iters, key=lambda d: int(d.name[5:]) if d.name[5:].isdigit() else -1)
+                    / "run_config.yaml"
+                )
+        if not run_config.exists():
+            raise FileNotFoundError(
+                f"Could not find run_config.yaml in {checkpoint}. Ensure this is a valid Megatron checkpoint."
+            )
+        megatron_cfg, _ = model_load_save.load_model_config(str(run_config.parent))
+        if trust_remote_code:
+            raise BridgeError(f"from_auto_config: {REMOTE_CODE_REFUSED}")
+        hf_cfg = transformers.AutoConfig.from_pretrained(hf_model_id, trust_remote_code=False)
+        values = cls.from_hf_config(hf_cfg)._model_bridge.megatron_to_hf_config(megatron_cfg)
+        values = conversion_utils.conform_config_to_reference(values, hf_cfg.to_dict())
+        synthesized = type(hf_cfg)(**_drop_readonly_config_properties(values, type(hf_cfg)))
+        synthesized.name_or_path = hf_model_id
+        bridge = cls.from_hf_config(synthesized)
+        bridge.hf_model_id = hf_model_id
+        bridge.trust_remote_code = trust_remote_code
+        return bridge
+
+    @staticmethod
+    def get_hf_model_id_from_checkpoint(path) -> str | None:
+        """The Hugging Face model a megatron checkpoint was imported from, where it recorded one."""
+        from megatron_lite.training.utils import checkpoint_utils
+
+        return checkpoint_utils.get_hf_model_id_from_checkpoint(path)
+
+    # ---- the family bridge and its input ----
+    @property
+    def _causal_lm_architecture(self):
+        """The architecture the bridge is found by: transformers' class where it has one, else the name."""
+        config = (
+            self.hf_pretrained.config
+            if isinstance(self.hf_pretrained, PRETRAINED_WRAPPER_TYPES)
+            else self.hf_pretrained
         )
+        architectures = getattr(config, "architectures", None) or []
+        if not architectures:
+            raise BridgeError("No architectures found in model config (config.json's architectures)")
+        found = [a for a in architectures if a.endswith(SUPPORTED_HF_ARCHITECTURES)]
+        if not found:
+            raise BridgeError(
+                f"No supported architecture found: {architectures} (none ends with {SUPPORTED_HF_ARCHITECTURES_DISPLAY})"
+            )
+        auto_map = getattr(config, "auto_map", None)
+        if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
+            return str(auto_map["AutoModelForCausalLM"]).split(".")[-1]
+        name = HF_ARCHITECTURE_ALIASES.get(found[0], found[0])
+        return getattr(transformers, name, name) if transformers is not None else name
+
+    @property
+    def _model_bridge(self):
+        hf_config = getattr(self.hf_pretrained, "hf_config", None)
+        if hf_config is None:
+            wrapped = isinstance(self.hf_pretrained, PRETRAINED_WRAPPER_TYPES)
+            hf_config = self.hf_pretrained.config if wrapped else self.hf_pretrained
+        bridge = model_bridge.get_model_bridge(self._causal_lm_architecture, hf_config=hf_config)
+        bridge.export_weight_dtype = self.export_weight_dtype
+        return bridge
+
+    @property
+    def _pretrained_wrapper_cls(self) -> type:
+        for wrapper in (PreTrainedTokenClassification, PreTrainedMaskedLM, PreTrainedCausalLM):
+            if isinstance(self.hf_pretrained, wrapper):
+                return wrapper
+        return _resolve_pretrained_wrapper_cls(self.hf_pretrained)
+
+    @cached_property
+    def _config_only_pretrained(self) -> PreTrainedCausalLM:
+        if not isinstance(self.hf_pretrained, _CONFIG_TYPES):
+            raise ValueError(
+                "Config-only shim accessed when hf_pretrained is not a PretrainedConfig instance."
+            )
+        return _ConfigOnlyPretrainedShim(self.hf_pretrained)
+
+    @property
+    def _provider_bridge_input(self):
+        if isinstance(self.hf_pretrained, PRETRAINED_WRAPPER_TYPES):
+            return self.hf_pretrained
+        return self._config_only_pretrained
+
+    def _source(self, hf_path):
+        """The wrapper weights are read from: ``hf_path``'s, else this bridge's."""
+        if hf_path is None:
+            if not isinstance(self.hf_pretrained, PRETRAINED_WRAPPER_TYPES):
+                raise ValueError(
+                    "hf_path is required when hf_pretrained is not a PreTrainedCausalLM, PreTrainedMaskedLM, "
+                    "or PreTrainedTokenClassification instance"
+                )
+            return self.hf_pretrained
+        trust_remote_code = getattr(self.hf_pretrained, "trust_remote_code", False)
+        return self._pretrained_wrapper_cls.from_pretrained(hf_path, trust_remote_code=trust_remote_code)
+
+    # ---- Hugging Face -> megatron ----
+    def to_megatron_provider(self, load_weights: bool = True, hf_path=None):
+        """The provider (GPTModelProvider) of the config's architecture; with ``load_weights`` each
+        model it provides is filled with this rank's shard of the weights (of ``hf_path`` when given)."""
+        provider = self._model_bridge.provider_bridge(self._provider_bridge_input)
         if load_weights:
+            if hf_path is None and not isinstance(self.hf_pretrained, PRETRAINED_WRAPPER_TYPES):
+                raise ValueError(
+                    "AutoBridge.from_hf_config() does not include weights. Pass load_weights=False for "
+                    "random initialization or provide hf_path to load weights."
+                )
             provider.perform_initialization = False  # every weight is read from the files: no random init
-            provider.register_pre_wrap_hook(lambda chunks: self.load_hf_weights(chunks, hf_path))
+            provider.register_pre_wrap_hook(
+                partial(self._model_bridge.load_weights_hf_to_megatron, self._source(hf_path))
+            )
+        identifier = str(hf_path) if hf_path is not None else None
+        if identifier is None:
+            name = getattr(self.hf_pretrained, "model_name_or_path", None)
+            if name is None and isinstance(self.hf_pretrained, _CONFIG_TYPES):
+                name = getattr(self.hf_pretrained, "name_or_path", None)
+            identifier = str(name) if name else None
+        if identifier:
+            provider.hf_model_id = identifier
+        if hf_path is None and self.hf_model_revision:
+            provider.hf_model_revision = self.hf_model_revision
         return provider
 
-    def _checkpoint(self, hf_path: str | None) -> SafeTensorsCheckpoint:
-        return SafeTensorsCheckpoint(
-            os.fspath(hf_path or self.hf_path), self._model_bridge.optional_hf_prefix
-        )
+    def to_megatron_model(self, load_weights: bool = True, hf_path=None, **kwargs) -> list:
+        """This rank's model chunks (``provide_distributed_model``'s keywords)."""
+        provider = self.to_megatron_provider(load_weights, hf_path)
+        if hasattr(provider, "finalize"):
+            provider.finalize()
+        return provider.provide_distributed_model(**kwargs)
 
-    def load_hf_weights(self, model, hf_path: str | None = None, show_progress: bool = False):
-        """Copy the Hugging Face weights into this rank's model chunks: each rank reads only its own
-        layers' rows or columns of its TP shard, straight from the memory-mapped files. Not collective."""
-        chunks = _chunks(model)
-        config = chunks[0].config
+    def load_hf_weights(
+        self, model, hf_path=None, allowed_mismatched_params=None, show_progress: bool = False
+    ):
+        """Copy the Hugging Face weights into this rank's model chunks (each rank reads only its own
+        shard, straight from the memory-mapped files). Not collective."""
+        source = self._source(hf_path)
+        extra = {"show_progress": True} if show_progress else {}  # megatron_lite's progress lines
         self._model_bridge.load_weights_hf_to_megatron(
-            self._checkpoint(hf_path), chunks, config, show_progress
+            source, model, allowed_mismatched_params=allowed_mismatched_params, **extra
         )
         return model
 
-    def export_hf_weights(self, model, cpu: bool = True, show_progress: bool = False):
-        """(Hugging Face name, whole tensor) for every weight, yielded on every rank. Collective over
-        the TP and PP groups: every rank must consume the whole iterator."""
-        chunks = _chunks(model)
-        stream = self._model_bridge.stream_weights_megatron_to_hf(chunks, chunks[0].config, cpu=cpu)
-        for i, (name, tensor) in enumerate(stream):
-            if show_progress and _rank0():
-                print(f" exported {name} {tuple(tensor.shape)} ({i + 1})", flush=True)
-            yield name, tensor
+    def _checkpoint(self, hf_path=None):
+        """The safetensors files weights are read from (megatron_lite's reader, one slice at a time)."""
+        from megatron_lite.bridge.models.hf_pretrained.safe_tensors import SafeTensorsCheckpoint
+
+        source = self._source(hf_path)
+        return SafeTensorsCheckpoint(str(source.model_name_or_path), self._model_bridge.optional_hf_prefix)
+
+    # ---- megatron -> Hugging Face ----
+    def export_hf_weights(
+        self, model, cpu: bool = True, show_progress: bool = True, conversion_tasks=None,
+        merge_adapter_weights: bool = True, weight_dtype=None,
+    ):  # fmt: skip
+        """(Hugging Face name, whole tensor) for every weight, on every rank. Collective over the TP
+        and PP groups: every rank must consume the whole iterator."""
+        yield from self._model_bridge.stream_weights_megatron_to_hf(
+            model, self.hf_pretrained, cpu=cpu, show_progress=show_progress, conversion_tasks=conversion_tasks,
+            merge_adapter_weights=merge_adapter_weights, weight_dtype=weight_dtype,
+        )  # fmt: skip
 
     def save_hf_pretrained(
-        self, model, path: str, show_progress: bool = False, max_shard_size: int = 2 * 1024**3
-    ) -> None:
-        """Write a directory ``transformers`` loads: config.json, sharded safetensors (an index when
-        more than one file) and a copy of the source's tokenizer files. Collective over the world;
-        rank 0 writes into a temporary directory that replaces ``path`` only once complete."""
-        path = os.path.abspath(os.fspath(path))
-        chunks = _chunks(model)
-        config = chunks[0].config
-        temp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-        error, writer, dtype = None, None, None
+        self, model, path, show_progress: bool = True, source_path=None, strict: bool = True,
+        merge_adapter_weights: bool = True, distributed_save: bool = False, save_every_n_ranks: int = 1,
+        weight_dtype=None, max_shard_size: int | None = None,
+    ) -> None:  # fmt: skip
+        """Write a directory ``transformers`` loads: rank 0 saves config.json and the source's
+        artifacts (tokenizer, generation config, processors), then every rank joins
+        ``save_hf_weights``. Collective over the world."""
+        if not isinstance(self.hf_pretrained, (*PRETRAINED_WRAPPER_TYPES, *_CONFIG_TYPES)):
+            raise ValueError("save_hf_pretrained requires a pretrained HuggingFace model or config.")
         if _rank0():
-            try:
-                shutil.rmtree(temp, ignore_errors=True)
-                os.makedirs(temp)
-                writer = ShardedWriter(temp, max_shard_size)
-            except OSError as err:
-                error = f"{path}: cannot write ({_reason(err)})"
-        for name, tensor in self.export_hf_weights(chunks, show_progress=show_progress):
-            dtype = tensor.dtype
-            if writer is not None and error is None:
-                try:
-                    writer.add(name, tensor)
-                except Exception as err:  # safetensors raises its own error for a failed write
-                    error = f"{path}: writing the weights failed ({_reason(err)})"
-        if writer is not None and error is None:
-            try:
-                self._finish(writer, temp, path, config, dtype)
-            except Exception as err:  # every rank must reach the broadcast below
-                error = str(err) if isinstance(err, BridgeError) else f"{path}: {_reason(err)}"
-        if _rank0() and error is not None:
-            shutil.rmtree(temp, ignore_errors=True)
-        if dist.is_initialized():
-            box = [error]
-            dist.broadcast_object_list(box, src=0)
-            error = box[0]
-        if error is not None:
-            raise BridgeError(error + "; nothing was replaced")
+            self._save_artifacts(path, source_path)
+        extra = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        self.save_hf_weights(
+            model, path, show_progress, strict, merge_adapter_weights=merge_adapter_weights,
+            distributed_save=distributed_save, save_every_n_ranks=save_every_n_ranks, weight_dtype=weight_dtype,
+            **extra,
+        )  # fmt: skip
 
-    def _finish(self, writer: ShardedWriter, temp: str, path: str, config, dtype) -> None:
-        writer.close()
-        hf = self._model_bridge.megatron_to_hf_config(self.hf_config, config)
-        if dtype in _DTYPE_NAMES:
-            hf["dtype" if "dtype" in hf else "torch_dtype"] = _DTYPE_NAMES[dtype]
-        with open(os.path.join(temp, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2)
-        for name in TOKENIZER_FILES:
-            source = os.path.join(self.hf_path, name)
-            if os.path.isfile(source):
-                shutil.copyfile(source, os.path.join(temp, name))
-        for name in os.listdir(temp):
-            with open(os.path.join(temp, name), "rb") as f:
-                os.fsync(f.fileno())
-        replace_directory(temp, path, stale_suffix=f".old-{int(time.time())}")
+    def _save_artifacts(self, path, source_path) -> None:
+        """config.json and the artifacts: the wrapper's, or for a config alone those of the model it
+        was made from (``hf_model_id`` / ``source_path``) when known, else config.json only."""
+        if isinstance(self.hf_pretrained, PRETRAINED_WRAPPER_TYPES):
+            patterns = getattr(self._model_bridge, "ADDITIONAL_FILE_PATTERNS", None) or None
+            self.hf_pretrained.save_artifacts(
+                path, original_source_path=source_path, additional_files=patterns
+            )
+            return
+        reference = self.hf_model_id or source_path
+        if reference is not None:
+            bridge = self._model_bridge
+            kwargs = (
+                dict(bridge.get_hf_tokenizer_kwargs() or {})
+                if hasattr(bridge, "get_hf_tokenizer_kwargs")
+                else {}
+            )
+            kwargs["trust_remote_code"] = self.trust_remote_code
+            source = PreTrainedCausalLM.from_pretrained(reference, **kwargs)
+            source.config = self.hf_pretrained
+            patterns = getattr(bridge, "ADDITIONAL_FILE_PATTERNS", None) or None
+            source.save_artifacts(path, original_source_path=source_path, additional_files=patterns)
+            return
+        Path(path).mkdir(parents=True, exist_ok=True)
+        values = self.hf_pretrained.to_dict()
+        if not self.trust_remote_code:
+            values.pop("auto_map", None)  # it names code the directory does not carry
+        with open(Path(path) / "config.json", "w") as f:
+            json.dump(values, f, indent=2, sort_keys=True)
+
+    def save_hf_weights(
+        self, model, path, show_progress: bool = True, strict: bool = True, merge_adapter_weights: bool = True,
+        distributed_save: bool = False, save_every_n_ranks: int = 1, weight_dtype=None,
+        max_shard_size: int = 2 * 1024**3,
+    ) -> None:  # fmt: skip
+        """The weights alone, as safetensors files of at most ``max_shard_size`` bytes with their index,
+        after checking the model is the one the config describes. Collective: every rank streams,
+        rank 0 writes (``distributed_save`` is refused: one writer here)."""
+        if distributed_save:
+            raise BridgeError(
+                "save_hf_weights(distributed_save=True) is not supported by megatron_lite: rank 0 writes"
+            )
+        write_hf_weights(self, model, path, show_progress, max_shard_size, weight_dtype=weight_dtype)
+
+    def _get_model_instance(self, model):
+        instance = model[0] if isinstance(model, list) else model
+        while hasattr(instance, "module"):
+            instance = instance.module
+        return instance
+
+    # ---- megatron checkpoints ----
+    def save_megatron_model(
+        self, model, path, hf_tokenizer_path=None, low_memory_save=False, hf_tokenizer_kwargs=None
+    ):
+        try:
+            from megatron_lite.training.model_load_save import save_megatron_model
+        except ImportError:
+            raise ImportError("megatron_lite.training is not available.") from None
+        save_megatron_model(
+            model, path, hf_tokenizer_path=hf_tokenizer_path, low_memory_save=low_memory_save,
+            hf_tokenizer_kwargs=hf_tokenizer_kwargs,
+        )  # fmt: skip
+
+    def load_megatron_model(self, path, *, mp_overrides=None, **kwargs) -> list:
+        """The model of a megatron checkpoint directory (its latest ``iter_*`` when it has several)."""
+        try:
+            from megatron_lite.training.model_load_save import load_megatron_model
+        except ImportError:
+            raise ImportError("megatron_lite.training is not available.") from None
+        checkpoint = Path(path)
+        iters = [d for d in checkpoint.iterdir() if d.is_dir() and d.name.startswith("iter_")]
+        if iters:
+            checkpoint = max(iters, key=lambda d: int(d.name[5:]) if d.name[5:].isdigit() else -1)
+        in_world = dist.is_initialized()
+        model = load_megatron_model(
+            str(checkpoint), use_cpu_init=in_world and dist.get_backend() == "gloo",
+            skip_temp_dist_context=in_world, mp_overrides=mp_overrides,
+        )  # fmt: skip
+        return model if isinstance(model, list) else [model]
+
+    @classmethod
+    def import_ckpt(cls, hf_model_id, megatron_path, *, low_memory_save: bool = False, **kwargs) -> None:
+        """Hugging Face directory -> megatron checkpoint, in a one-process gloo world unless one runs."""
+        from megatron_lite.training.model_load_save import temporary_distributed_context
+
+        bridge = cls.from_hf_pretrained(hf_model_id, **kwargs)
+        with nullcontext() if dist.is_initialized() else temporary_distributed_context(backend="gloo"):
+            model = bridge.to_megatron_model(wrap_with_ddp=False, use_cpu_initialization=True)
+            model_bridge_instance = bridge._model_bridge
+            tokenizer_kwargs = None
+            if hasattr(model_bridge_instance, "get_hf_tokenizer_kwargs"):
+                tokenizer_kwargs = model_bridge_instance.get_hf_tokenizer_kwargs()
+            tokenizer_kwargs = {} if tokenizer_kwargs is None else tokenizer_kwargs
+            if kwargs.get("revision") is not None:
+                tokenizer_kwargs.setdefault("revision", kwargs["revision"])
+            bridge.save_megatron_model(
+                model, megatron_path, hf_tokenizer_path=hf_model_id, hf_tokenizer_kwargs=tokenizer_kwargs,
+                low_memory_save=low_memory_save,
+            )  # fmt: skip
+
+    def export_ckpt(
+        self, megatron_path, hf_path, show_progress: bool = True, strict: bool = False, source_path=None
+    ):
+        """Megatron checkpoint -> Hugging Face directory, in a one-process gloo world unless one runs."""
+        from megatron_lite.training.model_load_save import temporary_distributed_context
+
+        with nullcontext() if dist.is_initialized() else temporary_distributed_context(backend="gloo"):
+            model = self.load_megatron_model(megatron_path, wrap_with_ddp=False)
+            self.save_hf_pretrained(
+                model, hf_path, show_progress=show_progress, source_path=source_path, strict=strict
+            )
+
+    def __repr__(self) -> str:
+        lines = []
+        for label, part in (("hf_pretrained", self.hf_pretrained), ("model_bridge", self._model_bridge)):
+            first, *rest = repr(part).splitlines() or [""]
+            lines += [f"  ({label}): {first}", *(f"  {line}" for line in rest)]
+        return f"{type(self).__name__}(\n" + "\n".join(lines) + "\n)"

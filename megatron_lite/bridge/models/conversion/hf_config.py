@@ -42,21 +42,46 @@ def read_config(path: str) -> dict:
 
 
 class HFConfig:
-    """config.json's values with the family's defaults: ``cfg["hidden_size"]``, ``cfg.get(...)``."""
+    """A Hugging Face config's values with the family's defaults, read as config.json's keys
+    (``cfg["hidden_size"]``, ``cfg.get(...)``) or as a transformers config's attributes
+    (``cfg.hidden_size``, what Megatron-Bridge's mappings read). ``values`` is config.json's dict or a
+    config object (a transformers ``PretrainedConfig``)."""
 
-    def __init__(self, values: dict, defaults: dict, path: str = "config.json"):
-        self.values, self.defaults, self.path = values, defaults, path
+    def __init__(self, values, defaults: dict | None = None, path: str = "config.json"):
+        if isinstance(values, HFConfig):
+            values = values.values
+        self.values, self.defaults, self.path = values, defaults or {}, path
+
+    def _lookup(self, key: str):
+        """(found, value): the config's own value, else the family default."""
+        if isinstance(self.values, dict):
+            if key in self.values:
+                return True, self.values[key]
+        elif hasattr(self.values, key):
+            return True, getattr(self.values, key)
+        if key in self.defaults:
+            return True, self.defaults[key]
+        return False, None
 
     def __getitem__(self, key: str):
-        if key in self.values and self.values[key] is not None:
-            return self.values[key]
+        value = self._lookup(key)[1]
+        if value is not None:
+            return value
         if key in self.defaults:
             return self.defaults[key]
         raise BridgeError(f"{self.path}: has no {key}")
 
+    def __getattr__(self, key: str):
+        if key.startswith("_") or key in ("values", "defaults", "path"):
+            raise AttributeError(key)
+        found, value = self._lookup(key)
+        if not found:
+            raise AttributeError(key)
+        return value
+
     def get(self, key: str, default=None):
-        value = self.values.get(key, self.defaults.get(key, default))
+        value = self._lookup(key)[1]
         return default if value is None else value
 
     def refuse(self, key: str, why: str) -> BridgeError:
-        return BridgeError(f"{self.path}: {key}={self.values.get(key)!r}: {why}")
+        return BridgeError(f"{self.path}: {key}={self._lookup(key)[1]!r}: {why}")

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
+import torch.distributed as dist
+
 from megatron_lite.bridge.models.conversion.errors import BridgeError
 from megatron_lite.core import parallel_state
 from megatron_lite.training.checkpointing.compat import checkpoint_model_error, saved_split
@@ -18,6 +23,7 @@ from megatron_lite.training.checkpointing.load import load_model_state
 from megatron_lite.training.checkpointing.safety import CheckpointError
 from megatron_lite.training.checkpointing.torch_dist import load_distributed_weights
 from megatron_lite.training.checkpointing.weights_only import save_model_weights
+from megatron_lite.utils.atomic_io import replace_directory
 
 
 def saved_layout(megatron_path: str) -> tuple[int, dict]:
@@ -82,7 +88,27 @@ def export_ckpt(bridge, megatron_path: str, hf_path: str, show_progress: bool = 
             raise BridgeError(str(err)) from None
     else:
         chunks = _load_legacy_shard(bridge, megatron_path, iteration)
-    bridge.save_hf_pretrained(chunks, hf_path, show_progress=show_progress)
+    _save_whole(bridge, chunks, hf_path, show_progress)
+
+
+def _save_whole(bridge, chunks, hf_path: str, show_progress: bool) -> None:
+    """Write the directory beside ``hf_path`` and put it in place only once complete: a failed export
+    leaves what was there. Collective (the save is; rank 0 names the directory and moves it)."""
+    final = os.path.abspath(hf_path)
+    box = [f"{os.path.dirname(final)}/.{os.path.basename(final)}.tmp-{os.getpid()}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    try:
+        bridge.save_hf_pretrained(chunks, box[0], show_progress=show_progress)
+    except BaseException:
+        if rank0:
+            shutil.rmtree(box[0], ignore_errors=True)
+        raise
+    if rank0:
+        replace_directory(box[0], final)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _export_chunks(bridge, megatron_path: str, saved_config: dict | None):

@@ -22,3 +22,27 @@ def get_module_and_param_from_name(models, param_name: str, vp_stage: int | None
         if isinstance(param, torch.Tensor):
             return module, param
     raise ValueError(f"parameter {param_name} not found in {type(models).__name__}")
+
+
+def unwrap_model(model):
+    """The model chunk(s) inside their wrappers (DDP, Float16Module: ``.module``), a list for a list."""
+    if isinstance(model, list):
+        return [unwrap_model(chunk) for chunk in model]
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def conform_config_to_reference(hf_config_dict: dict, reference_config: dict) -> dict:
+    """``hf_config_dict`` limited to the reference config's keys (nested dicts likewise), with the
+    reference's values for the keys it lacks: a synthesized config written as the reference writes it."""
+    conformed = {}
+    for key, value in hf_config_dict.items():
+        if key in reference_config:
+            reference = reference_config[key]
+            if isinstance(value, dict) and isinstance(reference, dict):
+                value = conform_config_to_reference(value, reference)
+            conformed[key] = value
+    for key, value in reference_config.items():
+        conformed.setdefault(key, value)
+    return conformed

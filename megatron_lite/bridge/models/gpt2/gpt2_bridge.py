@@ -5,7 +5,6 @@ keys, then all values."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megatron_lite.bridge.models.conversion.hf_config import HFConfig
 from megatron_lite.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
@@ -15,6 +14,7 @@ from megatron_lite.bridge.models.conversion.model_bridge import (
 )
 from megatron_lite.bridge.models.conversion.param_mapping import AutoMapping, MegatronParamMapping
 from megatron_lite.bridge.models.conversion.param_mapping_base import _tp_range
+from megatron_lite.core.models.gpt.gpt_model import GPTModel
 
 GPT2_DEFAULTS = {
     "vocab_size": 50257,
@@ -58,27 +58,25 @@ class GPT2QKVMapping(MegatronParamMapping):
         return {self.hf_param: (qkv.t() if full.dim() == 2 else qkv).contiguous()}
 
 
-@MegatronModelBridge.register_bridge("gpt2")
+@MegatronModelBridge.register_bridge(source="GPT2LMHeadModel", target=GPTModel, model_type="gpt2")
 class GPT2Bridge(MegatronModelBridge):
-    """``GPT2LMHeadModel``."""
+    """``GPT2LMHeadModel``. Its config names its fields its own way (``n_embd``, ``n_layer``): the
+    provider's fields are read here, not through CONFIG_MAPPING."""
 
+    hf_config_defaults = GPT2_DEFAULTS
     optional_hf_prefix = "transformer."  # the hub's gpt2 files name tensors without it
     ignored_hf_suffixes = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older files hold
 
-    def provider_kwargs(self, hf: dict) -> dict:
-        cfg = HFConfig(hf, GPT2_DEFAULTS)
-        activation = cfg["activation_function"]
-        if activation == "gelu_new":
-            from megatron_lite.core.activations import openai_gelu
-
-            activation_func = openai_gelu
-        elif activation == "gelu":
-            activation_func = F.gelu
-        else:
+    def check_hf_config(self, cfg: HFConfig) -> None:
+        if cfg["activation_function"] not in ("gelu_new", "gelu"):
             raise cfg.refuse("activation_function", "megatron_lite takes gelu_new (--openai-gelu) or gelu")
         if cfg["scale_attn_by_inverse_layer_idx"] or not cfg["scale_attn_weights"]:
             key = "scale_attn_weights" if not cfg["scale_attn_weights"] else "scale_attn_by_inverse_layer_idx"
             raise cfg.refuse(key, "megatron_lite scales attention scores by 1/sqrt(head dim) only")
+
+    def hf_config_to_provider_kwargs(self, hf_config) -> dict:
+        cfg = HFConfig(hf_config, self.hf_config_defaults)
+        activation_func = self.hf_to_megatron_activation(cfg["activation_function"])
         hidden, heads, vocab = cfg["n_embd"], cfg["n_head"], cfg["vocab_size"]
         return dict(
             num_layers=cfg["n_layer"],
@@ -102,9 +100,9 @@ class GPT2Bridge(MegatronModelBridge):
             init_method_std=float(cfg["initializer_range"]),
         )
 
-    def mapping_registry(self, config) -> MegatronMappingRegistry:
+    def mapping_registry(self) -> MegatronMappingRegistry:
         layer, hf = "decoder.layers.*.", "transformer.h.*."
-        output = "transformer.wte.weight" if config.share_embeddings_and_output_weights else "lm_head.weight"
+        output = "lm_head.weight"  # a tied one is the embedding's: the bridge's streams handle it
         mappings = [
             AutoMapping("embedding.word_embeddings.weight", "transformer.wte.weight"),
             AutoMapping("embedding.position_embeddings.weight", "transformer.wpe.weight"),

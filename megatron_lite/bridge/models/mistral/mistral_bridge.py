@@ -4,13 +4,9 @@ causal context), unless the window covers every position the model takes."""
 from __future__ import annotations
 
 from megatron_lite.bridge.models.conversion.hf_config import HFConfig
-from megatron_lite.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
 from megatron_lite.bridge.models.conversion.model_bridge import MegatronModelBridge
-from megatron_lite.bridge.models.llama.llama_bridge import (
-    LLAMA_DEFAULTS,
-    llama_like_kwargs,
-    llama_like_registry,
-)
+from megatron_lite.bridge.models.llama.llama_bridge import LLAMA_DEFAULTS, LlamaBridge
+from megatron_lite.core.models.gpt.gpt_model import GPTModel
 
 MISTRAL_DEFAULTS = {
     **LLAMA_DEFAULTS,
@@ -30,14 +26,12 @@ def refuse_sliding_window(cfg: HFConfig, window: int | None) -> None:
         )
 
 
-@MegatronModelBridge.register_bridge("mistral")
-class MistralBridge(MegatronModelBridge):
+@MegatronModelBridge.register_bridge(source="MistralForCausalLM", target=GPTModel, model_type="mistral")
+class MistralBridge(LlamaBridge):
     """``MistralForCausalLM``."""
 
-    def provider_kwargs(self, hf: dict) -> dict:
-        cfg = HFConfig(hf, MISTRAL_DEFAULTS)
-        refuse_sliding_window(cfg, hf.get("sliding_window", MISTRAL_DEFAULTS["sliding_window"]))
-        return llama_like_kwargs(cfg)
+    hf_config_defaults = MISTRAL_DEFAULTS
 
-    def mapping_registry(self, config) -> MegatronMappingRegistry:
-        return llama_like_registry(config)
+    def check_hf_config(self, cfg: HFConfig) -> None:
+        super().check_hf_config(cfg)
+        refuse_sliding_window(cfg, cfg.get("sliding_window"))

@@ -8,12 +8,9 @@ from megatron_lite.bridge.models.conversion.hf_config import HFConfig
 from megatron_lite.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
 from megatron_lite.bridge.models.conversion.model_bridge import MegatronModelBridge
 from megatron_lite.bridge.models.conversion.param_mapping import AutoMapping, routed_expert_mappings
-from megatron_lite.bridge.models.llama.llama_bridge import (
-    LLAMA_DEFAULTS,
-    llama_like_kwargs,
-    llama_like_registry,
-)
+from megatron_lite.bridge.models.llama.llama_bridge import LLAMA_DEFAULTS, LlamaBridge, llama_like_registry
 from megatron_lite.bridge.models.mistral.mistral_bridge import refuse_sliding_window
+from megatron_lite.core.models.gpt.gpt_model import GPTModel
 
 # transformers' MixtralConfig defaults, for keys a config.json leaves out.
 MIXTRAL_DEFAULTS = {
@@ -29,16 +26,21 @@ MIXTRAL_DEFAULTS = {
 }
 
 
-@MegatronModelBridge.register_bridge("mixtral")
-class MixtralBridge(MegatronModelBridge):
+@MegatronModelBridge.register_bridge(source="MixtralForCausalLM", target=GPTModel, model_type="mixtral")
+class MixtralBridge(LlamaBridge):
     """``MixtralForCausalLM``. Its ``router_jitter_noise`` (training-time noise on the router's input)
     is not carried over, as in Megatron-Bridge."""
 
-    def provider_kwargs(self, hf: dict) -> dict:
-        cfg = HFConfig(hf, MIXTRAL_DEFAULTS)
-        refuse_sliding_window(cfg, hf.get("sliding_window", MIXTRAL_DEFAULTS["sliding_window"]))
+    hf_config_defaults = MIXTRAL_DEFAULTS
+
+    def check_hf_config(self, cfg: HFConfig) -> None:
+        super().check_hf_config(cfg)
+        refuse_sliding_window(cfg, cfg.get("sliding_window"))
+
+    def hf_config_to_model_config_kwargs(self, hf_config) -> dict:
+        cfg = HFConfig(hf_config, self.hf_config_defaults)
         return {
-            **llama_like_kwargs(cfg),
+            **super().hf_config_to_model_config_kwargs(hf_config),
             "num_moe_experts": cfg["num_local_experts"],
             "moe_router_topk": cfg["num_experts_per_tok"],
             "moe_ffn_hidden_size": cfg["intermediate_size"],
@@ -48,10 +50,10 @@ class MixtralBridge(MegatronModelBridge):
             "moe_aux_loss_coeff": float(cfg["router_aux_loss_coef"]),
         }
 
-    def mapping_registry(self, config) -> MegatronMappingRegistry:
+    def mapping_registry(self) -> MegatronMappingRegistry:
         layer, hf = "decoder.layers.*.", "model.layers.*.block_sparse_moe."
-        return MegatronMappingRegistry(
-            *llama_like_registry(config).mappings,
+        return llama_like_registry(
+            False,
             AutoMapping(layer + "mlp.router.weight", hf + "gate.weight"),
             *routed_expert_mappings(layer, hf + "experts.", "w1", "w3", "w2"),
         )

@@ -14,8 +14,9 @@ from megatron_lite.bridge.models.conversion.param_mapping import (
     GatedMLPMapping,
     routed_expert_mappings,
 )
-from megatron_lite.bridge.models.llama.llama_bridge import llama_like_kwargs, llama_like_registry
+from megatron_lite.bridge.models.llama.llama_bridge import LlamaBridge, llama_like_registry
 from megatron_lite.bridge.models.qwen.qwen2_bridge import QWEN2_DEFAULTS
+from megatron_lite.core.models.gpt.gpt_model import GPTModel
 
 # transformers' Qwen2MoeConfig defaults, for keys a config.json leaves out.
 QWEN2_MOE_DEFAULTS = {
@@ -41,20 +42,32 @@ def sparse_layers(cfg: HFConfig) -> list[int]:
     ]
 
 
-@MegatronModelBridge.register_bridge("qwen2_moe")
-class Qwen2MoeBridge(MegatronModelBridge):
+# CONFIG_MAPPING's mixture-of-experts fields, dropped where every layer is dense.
+_MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff")
+
+
+@MegatronModelBridge.register_bridge(source="Qwen2MoeForCausalLM", target=GPTModel, model_type="qwen2_moe")
+class Qwen2MoeBridge(LlamaBridge):
     """``Qwen2MoeForCausalLM``."""
 
-    def provider_kwargs(self, hf: dict) -> dict:
-        cfg = HFConfig(hf, QWEN2_MOE_DEFAULTS)
+    hf_config_defaults = QWEN2_MOE_DEFAULTS
+
+    def check_hf_config(self, cfg: HFConfig) -> None:
+        super().check_hf_config(cfg)
         if cfg["use_sliding_window"]:
             raise cfg.refuse("use_sliding_window", "sliding-window attention is not supported")
-        kwargs = {**llama_like_kwargs(cfg), "add_qkv_bias": bool(cfg["qkv_bias"])}
-        pattern = sparse_layers(cfg)
-        if not any(pattern):
-            return kwargs  # every layer dense: a Qwen2 with Qwen2-MoE's names
-        if cfg["shared_expert_intermediate_size"] < 1:
+        if any(sparse_layers(cfg)) and cfg["shared_expert_intermediate_size"] < 1:
             raise cfg.refuse("shared_expert_intermediate_size", "a Qwen2-MoE layer has a shared expert")
+
+    def hf_config_to_model_config_kwargs(self, hf_config) -> dict:
+        cfg = HFConfig(hf_config, self.hf_config_defaults)
+        kwargs = {
+            **super().hf_config_to_model_config_kwargs(hf_config),
+            "add_qkv_bias": bool(cfg["qkv_bias"]),
+        }
+        pattern = sparse_layers(cfg)
+        if not any(pattern):  # every layer dense: a Qwen2 with Qwen2-MoE's names
+            return {k: v for k, v in kwargs.items() if k not in _MOE_FIELDS}
         return {
             **kwargs,
             "num_moe_experts": cfg["num_experts"],
@@ -69,11 +82,11 @@ class Qwen2MoeBridge(MegatronModelBridge):
             "moe_aux_loss_coeff": float(cfg["router_aux_loss_coef"]),
         }
 
-    def mapping_registry(self, config) -> MegatronMappingRegistry:
+    def mapping_registry(self) -> MegatronMappingRegistry:
         layer, hf = "decoder.layers.*.", "model.layers.*.mlp."
         shared = layer + "mlp.shared_experts."
-        return MegatronMappingRegistry(
-            *llama_like_registry(config, qkv_bias=config.add_qkv_bias).mappings,
+        return llama_like_registry(
+            True,
             AutoMapping(layer + "mlp.router.weight", hf + "gate.weight"),
             *routed_expert_mappings(layer, hf + "experts.", "gate_proj", "up_proj", "down_proj"),
             GatedMLPMapping(

@@ -1,0 +1,1 @@
+"""Megatron-Bridge's layout: megatron.bridge.models.gpt (the GPT model config)."""
