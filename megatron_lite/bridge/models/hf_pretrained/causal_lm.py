@@ -8,7 +8,7 @@ hf.model                      # the transformers model (needs transformers), saf
 
 from __future__ import annotations
 
-from megatron_lite.bridge.models.hf_pretrained.lazy_lm import LazyPreTrainedLM
+from megatron_lite.bridge.models.hf_pretrained.lazy_lm import LazyPreTrainedLM, ProcessorArtifacts
 from megatron_lite.bridge.models.hf_pretrained.state import StateDict
 
 try:  # the model class upstream loads through (and tests patch here); only .model needs it
@@ -17,7 +17,7 @@ except ImportError:
     AutoModelForCausalLM = "AutoModelForCausalLM"
 
 
-class PreTrainedCausalLM(LazyPreTrainedLM):
+class PreTrainedCausalLM(ProcessorArtifacts, LazyPreTrainedLM):
     """A causal language model directory (``*ForCausalLM``), with its tokenizer, generation config
     and, for vision-language models, processors as optional artifacts."""
 
@@ -41,15 +41,6 @@ class PreTrainedCausalLM(LazyPreTrainedLM):
     def _load_generation_config(self):
         return self._load_optional("GenerationConfig")
 
-    def _load_processor(self):
-        return self._load_optional("AutoProcessor")
-
-    def _load_image_processor(self):
-        processor = getattr(self, "_processor", None)
-        if processor is not None and hasattr(processor, "image_processor"):
-            return processor.image_processor
-        return self._load_optional("AutoImageProcessor")
-
     @property
     def auto_map_model_class(self) -> str | None:
         auto_map = getattr(self.config, "auto_map", None)
@@ -69,26 +60,6 @@ class PreTrainedCausalLM(LazyPreTrainedLM):
         model = getattr(self, "_model", None)
         if model is not None and hasattr(model, "generation_config"):
             model.generation_config = value
-
-    @property
-    def processor(self):
-        if not hasattr(self, "_processor"):
-            self._processor = self._load_processor()
-        return self._processor
-
-    @processor.setter
-    def processor(self, value):
-        self._processor = value
-
-    @property
-    def image_processor(self):
-        if not hasattr(self, "_image_processor"):
-            self._image_processor = self._load_image_processor()
-        return self._image_processor
-
-    @image_processor.setter
-    def image_processor(self, value):
-        self._image_processor = value
 
     def generate(self, input_ids=None, **kwargs):
         """The model's ``generate`` with the wrapper's generation config."""

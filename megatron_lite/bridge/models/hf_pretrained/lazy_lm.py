@@ -155,3 +155,37 @@ class LazyPreTrainedLM(PreTrainedBase):
         dtype = str(self.dtype).replace("torch.", "") if self.dtype is not None else "N/A"
         lines += [f"  (parameters): {params}", f"  (device): {self.device}", f"  (dtype): {dtype}", ")"]
         return "\n".join([f"{type(self).__name__}(", *lines])
+
+
+class ProcessorArtifacts:
+    """A vision-language directory's processors, each read on first use (a ``_load_optional`` class's
+    mixin: the causal and token-classification wrappers)."""
+
+    def _load_processor(self):
+        return self._load_optional("AutoProcessor")
+
+    def _load_image_processor(self):
+        processor = getattr(self, "_processor", None)
+        if processor is not None and hasattr(processor, "image_processor"):
+            return processor.image_processor
+        return self._load_optional("AutoImageProcessor")
+
+    @property
+    def processor(self):
+        if not hasattr(self, "_processor"):
+            self._processor = self._load_processor()
+        return self._processor
+
+    @processor.setter
+    def processor(self, value):
+        self._processor = value
+
+    @property
+    def image_processor(self):
+        if not hasattr(self, "_image_processor"):
+            self._image_processor = self._load_image_processor()
+        return self._image_processor
+
+    @image_processor.setter
+    def image_processor(self, value):
+        self._image_processor = value
