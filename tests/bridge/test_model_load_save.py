@@ -41,6 +41,9 @@ def test_a_checkpoint_loads_from_its_own_config_and_exports_the_same_tensors(tmp
     assert exported.keys() == source.keys()
     for name, tensor in source.items():
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
+    # A bridge from the checkpoint's own model, in the Hugging Face model's keys (from_auto_config).
+    config = AutoBridge.from_auto_config(str(tmp_path / "megatron"), str(tmp_path / "hf")).hf_pretrained
+    assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads) == (4, 64, 2)
     assert dict(os.environ) == environment  # the one-rank worlds left the caller's environment alone
     assert not torch.distributed.is_initialized()
 

@@ -11,13 +11,13 @@ no code from a model directory runs.
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from functools import cached_property, partial
 from pathlib import Path
 
 import torch.distributed as dist
 
 from megatron_lite.bridge.models.conversion import model_bridge
+from megatron_lite.bridge.models.conversion.auto_bridge_checkpoints import MegatronCheckpoints
 from megatron_lite.bridge.models.conversion.errors import BridgeError
 from megatron_lite.bridge.models.conversion.hf_config import UNSUPPORTED
 from megatron_lite.bridge.models.hf_pretrained.architectures import (  # noqa: F401  (upstream's module names)
@@ -37,7 +37,6 @@ from megatron_lite.bridge.models.hf_pretrained.causal_lm import PreTrainedCausal
 from megatron_lite.bridge.models.hf_pretrained.export_directory import write_hf_weights
 from megatron_lite.bridge.models.hf_pretrained.masked_lm import PreTrainedMaskedLM
 from megatron_lite.bridge.models.hf_pretrained.safe_config_loader import (
-    REMOTE_CODE_REFUSED,
     JSONConfig,
     safe_load_config_with_retry,
 )
@@ -60,7 +59,7 @@ def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-class AutoBridge:
+class AutoBridge(MegatronCheckpoints):
     """A Hugging Face model (a ``PreTrainedCausalLM`` / ``PreTrainedMaskedLM`` /
     ``PreTrainedTokenClassification`` wrapper, or a config alone) and the family bridge that reads it."""
 
@@ -155,48 +154,6 @@ class AutoBridge:
             return cls(hf_pretrained)
         except Exception as err:
             raise BridgeError(f"Failed to load model with AutoBridge: {err}") from err
-
-    @classmethod
-    def from_auto_config(cls, megatron_path, hf_model_id, trust_remote_code: bool = False) -> AutoBridge:
-        """A config-only bridge whose Hugging Face config is the megatron checkpoint's model (its
-        ``run_config.yaml``, in the root or the latest ``iter_*``) written in ``hf_model_id``'s keys."""
-        from megatron_lite.bridge.models.conversion import utils as conversion_utils
-        from megatron_lite.training import model_load_save
-
-        checkpoint = Path(megatron_path)
-        if not checkpoint.exists():
-            raise FileNotFoundError(f"Megatron checkpoint not found: {checkpoint}")
-        run_config = checkpoint / "run_config.yaml"
-        if not run_config.exists():
-            iters = [d for d in checkpoint.iterdir() if d.is_dir() and d.name.startswith("iter_")]
-            if iters:
-                run_config = (
-                    max(iters, key=lambda d: int(d.name[5:]) if d.name[5:].isdigit() else -1)
-                    / "run_config.yaml"
-                )
-        if not run_config.exists():
-            raise FileNotFoundError(
-                f"Could not find run_config.yaml in {checkpoint}. Ensure this is a valid Megatron checkpoint."
-            )
-        megatron_cfg, _ = model_load_save.load_model_config(str(run_config.parent))
-        if trust_remote_code:
-            raise BridgeError(f"from_auto_config: {REMOTE_CODE_REFUSED}")
-        hf_cfg = transformers.AutoConfig.from_pretrained(hf_model_id, trust_remote_code=False)
-        values = cls.from_hf_config(hf_cfg)._model_bridge.megatron_to_hf_config(megatron_cfg)
-        values = conversion_utils.conform_config_to_reference(values, hf_cfg.to_dict())
-        synthesized = type(hf_cfg)(**_drop_readonly_config_properties(values, type(hf_cfg)))
-        synthesized.name_or_path = hf_model_id
-        bridge = cls.from_hf_config(synthesized)
-        bridge.hf_model_id = hf_model_id
-        bridge.trust_remote_code = trust_remote_code
-        return bridge
-
-    @staticmethod
-    def get_hf_model_id_from_checkpoint(path) -> str | None:
-        """The Hugging Face model a megatron checkpoint was imported from, where it recorded one."""
-        from megatron_lite.training.utils import checkpoint_utils
-
-        return checkpoint_utils.get_hf_model_id_from_checkpoint(path)
 
     # ---- the family bridge and its input ----
     @property
@@ -397,68 +354,6 @@ class AutoBridge:
         while hasattr(instance, "module"):
             instance = instance.module
         return instance
-
-    # ---- megatron checkpoints ----
-    def save_megatron_model(
-        self, model, path, hf_tokenizer_path=None, low_memory_save=False, hf_tokenizer_kwargs=None
-    ):
-        try:
-            from megatron_lite.training.model_load_save import save_megatron_model
-        except ImportError:
-            raise ImportError("megatron_lite.training is not available.") from None
-        save_megatron_model(
-            model, path, hf_tokenizer_path=hf_tokenizer_path, low_memory_save=low_memory_save,
-            hf_tokenizer_kwargs=hf_tokenizer_kwargs,
-        )  # fmt: skip
-
-    def load_megatron_model(self, path, *, mp_overrides=None, **kwargs) -> list:
-        """The model of a megatron checkpoint directory (its latest ``iter_*`` when it has several)."""
-        try:
-            from megatron_lite.training.model_load_save import load_megatron_model
-        except ImportError:
-            raise ImportError("megatron_lite.training is not available.") from None
-        checkpoint = Path(path)
-        iters = [d for d in checkpoint.iterdir() if d.is_dir() and d.name.startswith("iter_")]
-        if iters:
-            checkpoint = max(iters, key=lambda d: int(d.name[5:]) if d.name[5:].isdigit() else -1)
-        in_world = dist.is_initialized()
-        model = load_megatron_model(
-            str(checkpoint), use_cpu_init=in_world and dist.get_backend() == "gloo",
-            skip_temp_dist_context=in_world, mp_overrides=mp_overrides,
-        )  # fmt: skip
-        return model if isinstance(model, list) else [model]
-
-    @classmethod
-    def import_ckpt(cls, hf_model_id, megatron_path, *, low_memory_save: bool = False, **kwargs) -> None:
-        """Hugging Face directory -> megatron checkpoint, in a one-process gloo world unless one runs."""
-        from megatron_lite.training.model_load_save import temporary_distributed_context
-
-        bridge = cls.from_hf_pretrained(hf_model_id, **kwargs)
-        with nullcontext() if dist.is_initialized() else temporary_distributed_context(backend="gloo"):
-            model = bridge.to_megatron_model(wrap_with_ddp=False, use_cpu_initialization=True)
-            model_bridge_instance = bridge._model_bridge
-            tokenizer_kwargs = None
-            if hasattr(model_bridge_instance, "get_hf_tokenizer_kwargs"):
-                tokenizer_kwargs = model_bridge_instance.get_hf_tokenizer_kwargs()
-            tokenizer_kwargs = {} if tokenizer_kwargs is None else tokenizer_kwargs
-            if kwargs.get("revision") is not None:
-                tokenizer_kwargs.setdefault("revision", kwargs["revision"])
-            bridge.save_megatron_model(
-                model, megatron_path, hf_tokenizer_path=hf_model_id, hf_tokenizer_kwargs=tokenizer_kwargs,
-                low_memory_save=low_memory_save,
-            )  # fmt: skip
-
-    def export_ckpt(
-        self, megatron_path, hf_path, show_progress: bool = True, strict: bool = False, source_path=None
-    ):
-        """Megatron checkpoint -> Hugging Face directory, in a one-process gloo world unless one runs."""
-        from megatron_lite.training.model_load_save import temporary_distributed_context
-
-        with nullcontext() if dist.is_initialized() else temporary_distributed_context(backend="gloo"):
-            model = self.load_megatron_model(megatron_path, wrap_with_ddp=False)
-            self.save_hf_pretrained(
-                model, hf_path, show_progress=show_progress, source_path=source_path, strict=strict
-            )
 
     def __repr__(self) -> str:
         lines = []
