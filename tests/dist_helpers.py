@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import runpy
 import shutil
@@ -90,7 +91,9 @@ def _entry(rank, world_size, store_path, fn, args, queue, stdout_fd, stderr_fd):
     try:
         # A file rendezvous: no port to pick, so concurrent test runs cannot collide on one.
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Plain pickle: tensors travel as bytes. The queue's own pickler would pass their storage as
+        # a file descriptor that the parent fetches from this process, which may have exited by then.
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -119,7 +122,7 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
             rank, status, value = queue.get(timeout=timeout)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)
