@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.core import parallel_state
+from megatron_lite.core.utils import unwrap_model
 from megatron_lite.models.gpt_provider import GPTModelProvider
 from megatron_lite.training.checkpointing.layout import (
     get_checkpoint_name,
@@ -50,23 +51,13 @@ def temporary_distributed_context(backend: str = "gloo"):
         dist.destroy_process_group()
 
 
-def _chunks(model) -> list:
-    chunks = model if isinstance(model, list) else [model]
-    out = []
-    for chunk in chunks:
-        while not hasattr(chunk, "config") and hasattr(chunk, "module"):
-            chunk = chunk.module
-        out.append(chunk)
-    return out
-
-
 def save_megatron_model(
     model, path, hf_tokenizer_path=None, low_memory_save=False, hf_tokenizer_kwargs=None
 ) -> None:
     """Write the model chunks as iteration 0 of ``path`` (collective), with the tokenizer directory's
     files beside it under ``tokenizer/`` when ``hf_tokenizer_path`` is a local directory.
     ``low_memory_save`` changes nothing here: each rank writes its own shard as it holds it."""
-    chunks = _chunks(model)
+    chunks = [unwrap_model(chunk) for chunk in (model if isinstance(model, list) else [model])]
     save_model_weights(os.fspath(path), chunks, chunks[0].config, iteration=0, flag="path")
     if (
         hf_tokenizer_path is not None

@@ -10,6 +10,7 @@ import os
 import torch.distributed as dist
 
 from megatron_lite.bridge.models.conversion.errors import BridgeError
+from megatron_lite.bridge.models.conversion.utils import unwrap_model
 from megatron_lite.bridge.models.hf_pretrained.safe_tensors import ShardedWriter
 from megatron_lite.utils.atomic_io import write_error_line
 
@@ -22,16 +23,6 @@ def _reason(err: Exception) -> str:
 
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _unwrapped(model) -> list:
-    chunks = model if isinstance(model, list) else [model]
-    out = []
-    for chunk in chunks:
-        while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
-            chunk = chunk.module
-        out.append(chunk)
-    return out
 
 
 def source_config(bridge) -> dict:
@@ -53,7 +44,7 @@ def write_hf_weights(
     the source config describes. Collective: every rank streams, rank 0 writes; any failure is one
     BridgeError line on every rank, and no weights file is left half written."""
     path = os.path.abspath(os.fspath(path))
-    chunks = _unwrapped(model)
+    chunks = unwrap_model(model if isinstance(model, list) else [model])
     error, writer = None, None
     if _rank0():
         try:
