@@ -158,8 +158,3 @@ def load_megatron_model(checkpoint_path, model_type=None, return_state_dict=Fals
         if return_state_dict:
             return {k: v for chunk in chunks for k, v in chunk.state_dict().items()}
         return chunks if len(chunks) > 1 else chunks[0]
-
-
-def get_hf_model_id_from_checkpoint(path) -> str | None:
-    """The Hugging Face model a checkpoint was imported from: megatron_lite records none."""
-    return None
