@@ -267,14 +267,9 @@ class ConfigBridge:
 
     # ---- megatron -> Hugging Face ----
     @classmethod
-    def megatron_to_hf_config(cls, provider, model_config=None) -> dict:
+    def megatron_to_hf_config(cls, provider) -> dict:
         """The Hugging Face config (a dict) of ``provider``'s model: CONFIG_MAPPING backwards, the
-        activation and dtype by name, ``architectures`` and ``model_type``.
-
-        megatron_lite's own call ``(source config.json, model config)`` returns the source config
-        instead, checked to describe the model: it keeps every key the source had."""
-        if model_config is not None:
-            return cls._source_config_checked(provider, model_config)
+        activation and dtype by name, ``architectures`` and ``model_type``."""
         hf_config: dict[str, Any] = {}
         for hf_name, megatron_name in cls.CONFIG_MAPPING:
             if hasattr(provider, megatron_name):
@@ -295,7 +290,9 @@ class ConfigBridge:
         return hf_config
 
     @classmethod
-    def _source_config_checked(cls, source: dict, model_config) -> dict:
+    def source_config_checked(cls, source: dict, model_config) -> dict:
+        """The source's config.json for an export, every key it had kept, once checked to describe
+        the model being exported (BridgeError, one line, naming the first field that differs)."""
         again = cls().provider_bridge(source)
         names = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "vocab_size")
         for name in (*names, "num_moe_experts", "moe_layer_freq"):

@@ -169,8 +169,6 @@ class MegatronModelBridge(ConfigBridge, ExportSteps):
         """Fill every parameter of this rank's chunks with its TP shard, read straight from the files;
         a parameter matching a pattern of ``allowed_mismatched_params`` whose shapes differ keeps its
         values. Not collective: each rank reads its own layers only. Returns ``megatron_model``."""
-        if not isinstance(allowed_mismatched_params, (list, tuple, set, type(None))):
-            allowed_mismatched_params = None  # megatron_lite's former third argument, the model config
         allowed = list(allowed_mismatched_params or ())
         checkpoint = self._checkpoint(hf_pretrained)
         chunks = unwrap_model(megatron_model if isinstance(megatron_model, list) else [megatron_model])

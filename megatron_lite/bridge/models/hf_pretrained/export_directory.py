@@ -48,7 +48,7 @@ def write_hf_weights(
     error, writer = None, None
     if _rank0():
         try:
-            bridge._model_bridge.megatron_to_hf_config(source_config(bridge), chunks[0].config)
+            bridge._model_bridge.source_config_checked(source_config(bridge), chunks[0].config)
             os.makedirs(path, exist_ok=True)
             writer = ShardedWriter(path, max_shard_size)
         except BridgeError as err:

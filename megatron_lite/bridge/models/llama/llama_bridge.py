@@ -140,10 +140,8 @@ class LlamaBridge(MegatronModelBridge):
         return self.hf_config_to_model_config_kwargs(hf_config)
 
     @classmethod
-    def megatron_to_hf_config(cls, provider, model_config=None) -> dict:
-        hf_config = super().megatron_to_hf_config(provider, model_config)
-        if model_config is not None:
-            return hf_config  # the source config, checked
+    def megatron_to_hf_config(cls, provider) -> dict:
+        hf_config = super().megatron_to_hf_config(provider)
         if provider.rope_scaling:
             hf_config["rope_scaling"] = {"rope_type": "llama3", "factor": provider.rope_scaling_factor}
             hf_config["rope_scaling"].update(_LLAMA3_FIXED)
