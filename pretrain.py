@@ -22,10 +22,24 @@ def _report(message: str) -> None:
     report_error(message)
 
 
+def _register_hf_directory_loader() -> None:
+    """``--pretrained-checkpoint`` may name a Hugging Face directory, read through the bridge: imported
+    (with transformers, seconds) only when a run names one."""
+    from megatron_lite.training.checkpointing.hf_directory import register_hf_directory_loader
+
+    def bridge_functions():
+        from megatron_lite.bridge.models.conversion import pretrained_directory
+
+        return pretrained_directory.hf_directory_model, pretrained_directory.load_hf_directory
+
+    register_hf_directory_loader(bridge_functions)
+
+
 def worker_main(argv: list[str]) -> int:
     from megatron_lite.training.arguments import parse_args
     from megatron_lite.training.utils.sig_utils import exit_promptly_on
 
+    _register_hf_directory_loader()
     config = parse_args(argv)
     # With --exit-signal-handler, SIGTERM asks the loop to save and exit 0 instead.
     stop = {signal.SIGINT} if config.train.exit_signal_handler else {signal.SIGINT, signal.SIGTERM}
@@ -61,6 +75,7 @@ def worker_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    _register_hf_directory_loader()
     if "--memory-preflight" in argv:  # a prediction (and dry run): no worker, no file but its JSON
         from megatron_lite.run_modes.preflight import main as preflight
 

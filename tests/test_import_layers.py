@@ -21,6 +21,7 @@ FLOORS = {
     "megatron_lite.utils": 0,
     "megatron_lite.core": 1,
     "megatron_lite.models": 2,
+    "megatron_lite.peft": 2,  # LoRA's layers over core's; the config and the loop apply them
     "megatron_lite.training.errors": 2,  # bad input, raised by every floor above
     "megatron_lite.training.tokenizers": 3,
     "megatron_lite.data": 4,

@@ -4,13 +4,17 @@ examples/conversion/convert_checkpoints.py), on this machine's CPUs.
 
     python tools/checkpoint_conversion.py import --hf-model DIR --megatron-path CKPT \\
         [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]
-    python tools/checkpoint_conversion.py export --hf-model DIR --megatron-path CKPT --hf-path OUT
+    python tools/checkpoint_conversion.py export --hf-model DIR --megatron-path CKPT --hf-path OUT \\
+        [--adapter-only] [--base-checkpoint BASE]
 
 ``import`` starts T x P workers; each reads only its own shard of the weights from DIR's safetensors
 and writes it as iteration 0 of CKPT (Megatron's layout, the architecture recorded): train from it with
 ``pretrain.py --pretrained-checkpoint CKPT --use-checkpoint-args`` at any layout. ``export`` starts one
 worker per shard of CKPT's latest iteration and writes OUT (config.json from DIR, sharded safetensors,
-DIR's tokenizer files), loadable by ``transformers``. Nothing is downloaded; no code from DIR runs.
+DIR's tokenizer files), loadable by ``transformers``. A LoRA run's checkpoint (adapters only) exports
+with its base (the checkpoint it names, or ``--base-checkpoint``): the merged model by default, or with
+``--adapter-only`` a Hugging Face PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
+that ``peft`` loads onto the base. Nothing is downloaded; no code from DIR runs.
 """
 
 from __future__ import annotations
@@ -36,6 +40,17 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1)
     imp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     exp.add_argument("--hf-path", required=True, help="Directory to write (replaced once complete).")
+    exp.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="A LoRA checkpoint's adapters alone, as a Hugging Face PEFT adapter directory "
+        "(adapter_config.json + adapter_model.safetensors), instead of the merged model.",
+    )
+    exp.add_argument(
+        "--base-checkpoint",
+        help="A LoRA checkpoint's base model (megatron_lite checkpoint or Hugging Face directory), "
+        "instead of the one the checkpoint names.",
+    )
     return parser
 
 
@@ -43,6 +58,7 @@ def _check(args, bridge) -> int:
     """The world size; one-line BridgeError for a layout the model cannot take."""
     from megatron_lite.bridge import BridgeError
     from megatron_lite.bridge.models.conversion.megatron_checkpoints import export_provider, saved_layout
+    from megatron_lite.bridge.models.conversion.peft_checkpoints import base_of, peft_checkpoint
     from megatron_lite.training.checkpointing import read_tracker
     from megatron_lite.training.checkpointing.reshard import read_saved_config
 
@@ -56,6 +72,16 @@ def _check(args, bridge) -> int:
                     f"--hf-path {args.hf_path} would replace or lie inside {flag}; write elsewhere"
                 )
         export_provider(bridge, args.megatron_path, read_saved_config(args.megatron_path, iteration))
+        peft = peft_checkpoint(args.megatron_path)
+        if peft is None and (args.adapter_only or args.base_checkpoint):
+            flag = "--adapter-only" if args.adapter_only else "--base-checkpoint"
+            raise BridgeError(
+                f"{flag}: --megatron-path {args.megatron_path} is a full model checkpoint, not LoRA adapters"
+            )
+        if peft is not None:
+            base = os.path.realpath(base_of(args.megatron_path, peft[0], args.base_checkpoint))
+            if os.path.commonpath([target, base]) in (target, base):
+                raise BridgeError(f"--hf-path {args.hf_path} would replace or lie inside the base {base}")
         args.tensor_model_parallel_size = layout.get("tensor_model_parallel_size", 1)
         args.pipeline_model_parallel_size = layout.get("pipeline_model_parallel_size", 1)
         return args.tensor_model_parallel_size * args.pipeline_model_parallel_size
@@ -93,6 +119,7 @@ def worker_main(argv: list[str]) -> int:
 
     from megatron_lite.bridge import AutoBridge, BridgeError
     from megatron_lite.bridge.models.conversion.megatron_checkpoints import export_ckpt, import_ckpt
+    from megatron_lite.bridge.models.conversion.peft_checkpoints import export_peft_ckpt, peft_checkpoint
     from megatron_lite.core import parallel_state
     from megatron_lite.training.checkpointing import CheckpointError
     from megatron_lite.training.launcher import worker_exit_code
@@ -108,6 +135,11 @@ def worker_main(argv: list[str]) -> int:
         )
         if args.command == "import":
             import_ckpt(bridge, args.megatron_path, show_progress=not args.quiet)
+        elif peft_checkpoint(args.megatron_path) is not None:  # LoRA adapters only, and their base
+            export_peft_ckpt(
+                bridge, args.megatron_path, args.hf_path, adapter_only=args.adapter_only,
+                base_checkpoint=args.base_checkpoint, show_progress=not args.quiet,
+            )  # fmt: skip
         else:
             export_ckpt(bridge, args.megatron_path, args.hf_path, show_progress=not args.quiet)
 

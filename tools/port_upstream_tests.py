@@ -78,6 +78,10 @@ FILES: dict[str, UpstreamFile] = {
     "test_routers": UpstreamFile("lm", "tests/unit_tests/transformer/moe/test_routers.py", 8),
     "test_moe_layer": UpstreamFile("lm", "tests/unit_tests/transformer/moe/test_moe_layer.py", 8),
     "test_sequential_mlp": UpstreamFile("lm", "tests/unit_tests/transformer/moe/test_sequential_mlp.py", 8),
+    "test_module_matcher": UpstreamFile("bridge", "tests/unit_tests/peft/test_module_matcher.py"),
+    "test_lora": UpstreamFile("bridge", "tests/unit_tests/peft/test_lora.py"),
+    "test_adapter_wrapper": UpstreamFile("bridge", "tests/unit_tests/peft/test_adapter_wrapper.py"),
+    "test_walk_utils": UpstreamFile("bridge", "tests/unit_tests/peft/test_walk_utils.py"),
 }
 
 SCOPE_DIR = Path(__file__).with_name("upstream_tests_scope")

@@ -35,6 +35,7 @@ from megatron_lite.training.arguments import config_from_argv
 from megatron_lite.training.cli.ranges import RANGES, check_value
 from megatron_lite.training.errors import ConfigError
 from megatron_lite.training.memory.levers import candidate_changes
+from megatron_lite.training.memory.predict.lora import lora_of
 from megatron_lite.training.memory.predict.moe import judged_routing
 from megatron_lite.training.memory.table import format_preflight_table
 from megatron_lite.utils.atomic_io import WriteFailedError, atomic_write_bytes
@@ -119,16 +120,24 @@ def _verdict(predictions, capacity_gb: float, dry, out, balanced=None) -> list[b
     return fits
 
 
+def lora_line(lora, predictions) -> str:
+    """What the table's columns hold of LoRA's parts: the frozen base's weights, the adapters' weights,
+    gradients, optimizer state and saved activations."""
+    per_layer = max(p.adapter_activation_bytes_per_layer_microbatch for p in predictions)
+    targets = ", ".join(lora.target_modules) if lora.target_modules else "every linear"
+    return (
+        f" LoRA (rank {lora.dim}, alpha {lora.alpha}, on {targets}): the base's weights are frozen, with no "
+        "gradient buffer, fp32 master or optimizer state; the adapters' weights are the adapters column "
+        f"(part of weights), grads and optim are theirs alone, and their saves are {per_layer / 2**20:.3g} MiB "
+        "per layer and microbatch (part of act)"
+    )
+
+
 def _report_change(change, after, candidate, out) -> None:
     """The recommendation line: the flags, why, their price and the predicted peak with them."""
     peak = max(range(len(after)), key=lambda i: after[i].peak_bytes)
     routing = judged_routing(candidate.model)
-    quality = (
-        "; it drops the tokens routed past an expert's capacity, a cost in model quality: tried only "
-        "after every change that keeps all tokens"
-        if change.quality
-        else ""
-    )
+    quality = f"; {change.quality_note}" if change.quality and change.quality_note else ""
     print(
         f" cheapest change that fits every stage: {' '.join(change.flags)}  ({change.why}; about "
         f"{change.cost:.0%} more time per step{quality}; predicted peak {_gb(after[peak].peak_bytes):.2f} GB "
@@ -164,6 +173,8 @@ def preflight(
         f"({RESERVE_FRACTION:.0%} kept for the CUDA context, NCCL buffers, the allocator's rounding and fragmentation)",
         file=out,
     )
+    if lora := lora_of(config):
+        print(lora_line(lora, predictions), file=out)
     if balanced:
         print(
             " MoE routing is open (no --moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity): "

@@ -28,13 +28,15 @@ def preflight_record(
     flags to add ("" when it fits as given, None when no combination of the levers fits) and, when
     the dry run measured them, whether they fit (``recommendation_confirmed``). A MoE model's
     ``moe_routing`` says what the figures are: "worst" (the worst routing's bound, judged; balanced
-    routing's peak and activations beside, ``*_balanced``) or "exact" (padded to capacity)."""
+    routing's peak and activations beside, ``*_balanced``) or "exact" (padded to capacity). A LoRA
+    run's stages also hold ``adapter_weights_bytes`` (the adapters' part of ``weights_bytes``)."""
     stages = [
         {
             "stage": i,
             "predicted_max_allocated_bytes": p.peak_bytes,
             **({"dry_run_max_allocated_bytes": dry[i].max_allocated_bytes} if dry else {}),
             "weights_bytes": p.weights_bytes,
+            **({"adapter_weights_bytes": p.adapter_weights_bytes} if p.adapter_weights_bytes else {}),
             "grads_bytes": p.grads_bytes,
             "optimizer_bytes": p.optimizer_state_bytes,
             "activations_bytes": preflight_activation_bytes(p),

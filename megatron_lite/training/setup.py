@@ -117,16 +117,25 @@ def _no_sync_all(model):
 
 
 def build_model_and_optimizer(
-    config: ConfigContainer, pg_collection: ProcessGroupCollection, *, foreach: bool | None = None
+    config: ConfigContainer,
+    pg_collection: ProcessGroupCollection,
+    *,
+    foreach: bool | None = None,
+    load_base=None,
 ):
     """This rank's model chunks, each wrapped in DDP, and their optimizer (the memory trackers told
     what they are). No collective: the preflight's dry run calls it under fake tensors and a fake
-    process group, so that what it measures is this code (``foreach``: AdamW's, see MegatronOptimizer)."""
+    process group, so that what it measures is this code (``foreach``: AdamW's, see MegatronOptimizer).
+
+    With ``config.peft`` (Megatron-Bridge's pre-wrap hook): ``load_base(chunks)`` (setup's: the base
+    weights from --pretrained-checkpoint, collective; None in the dry run) fills the bare chunks, the
+    PEFT transform freezes them and adds the adapters, and only then DDP and the optimizer see them,
+    so their buffers and state hold the trainable adapters only."""
     model_config = config.model
     model_config._pg_collection = pg_collection
     model_config.init_seed = config.rng.seed
     vp = model_config.virtual_pipeline_model_parallel_size
-    model = []
+    modules = []
     for vp_stage in range(vp) if vp and vp > 1 else [None]:
         # This stage's part: first / last stage (and chunk) decided from the pp group and vp_stage.
         module = model_config.provide(vp_stage=vp_stage)
@@ -135,6 +144,13 @@ def build_model_and_optimizer(
         # Only when something is elsewhere: the dry run's fake parameters cannot be swapped for a copy.
         if any(t.device != device for t in itertools.chain(module.parameters(), module.buffers())):
             module.to(device)
+        modules.append(module)
+    if config.peft is not None:
+        if load_base is not None:
+            load_base(modules)
+        modules = _apply_peft(config.peft, modules)
+    model = []
+    for module in modules:
         # Context-parallel ranks hold the same weights and see different tokens: average over both.
         model.append(
             DistributedDataParallel(
@@ -177,13 +193,45 @@ def build_model_and_optimizer(
     return model, optimizer
 
 
+def _apply_peft(peft, modules: list) -> list:
+    """The PEFT transform over the bare model chunks (base frozen, adapters added), as Bridge's
+    ``_apply_peft_transformation``."""
+    modules = peft(modules, training=True)
+    modules = modules if isinstance(modules, list) else [modules]
+    peft.set_params_to_save(modules)  # what its adapter_key_filter keeps in a checkpoint, as Bridge
+    return modules
+
+
+def _print_peft_statistics(model) -> None:
+    """Bridge's "PEFT Statistics" lines, for this rank's chunks (rank 0 prints)."""
+    params = [p for chunk in model for p in chunk.parameters()]
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    if dist.get_rank() == 0:
+        print(
+            f" PEFT statistics (rank 0): total parameters {total:,}, trainable parameters {trainable:,} "
+            f"({100 * trainable / max(total, 1):.2f}%)",
+            flush=True,
+        )
+
+
 def setup(state: GlobalState) -> SetupOutput:
     """Collective over the world (group creation, checkpoint load)."""
     config = state.cfg
     pg_collection = initialize_megatron(config)
-    model, optimizer = build_model_and_optimizer(config, pg_collection)
+    if config.checkpoint.load:
+        # A PEFT checkpoint resumes a PEFT run on its base, a full one a full run: else one line,
+        # before any weights are read.
+        checkpointing.check_peft_resume(config)
+    load_base = None
+    if config.peft is not None:
+        load_base = partial(checkpointing.load_pretrained_weights, state)
+    model, optimizer = build_model_and_optimizer(config, pg_collection, load_base=load_base)
     scheduler = get_optimizer_param_scheduler(config, optimizer)
-    if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
+    if config.peft is not None:
+        _print_peft_statistics(model)
+    # A PEFT run resumes its adapters from --load (its base is in already).
+    if config.checkpoint.load or (config.checkpoint.pretrained_checkpoint and config.peft is None):
         checkpointing.load_checkpoint(state, model, optimizer, scheduler, pg_collection)
     state.start_loggers()  # after loading: TensorBoard purges steps past the resumed iteration
     train_iter, valid_iter = build_data_iterators(config, state, pg_collection, num_chunks=len(model))

@@ -74,5 +74,6 @@ def finalize_model_grads(
         if not getattr(module, "share_embeddings_and_output_weights", False):
             continue
         weight = module.shared_embedding_or_output_weight()
-        if weight is not None:
+        # A frozen tied embedding (LoRA) has no gradient; it is frozen on both stages alike.
+        if weight is not None and weight.requires_grad:
             dist.all_reduce(weight.main_grad, group=embd)

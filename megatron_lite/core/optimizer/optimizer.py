@@ -24,15 +24,17 @@ def _unwrapped(name: str) -> str:
 
 
 def checkpoint_tensors_by_param(model_chunks, state_dict: dict) -> dict:
-    """Each parameter's tensor in a checkpoint's ``model`` (one chunk) or ``model0``, ``model1``, ...
-    entries, matched by name (``KeyError`` names one that is missing)."""
+    """Each trainable parameter's tensor in a checkpoint's ``model`` (one chunk) or ``model0``,
+    ``model1``, ... entries, matched by name (``KeyError`` names one that is missing). Frozen ones
+    (a PEFT run's base, which its checkpoint does not hold) have no main parameter to start."""
     single = len(model_chunks) == 1 and "model" in state_dict
     keys = ["model"] if single else [f"model{i}" for i in range(len(model_chunks))]
     found = {}
     for key, chunk in zip(keys, model_chunks, strict=True):
         saved = {_unwrapped(k): v for k, v in state_dict[key].items()}
         for name, param in chunk.named_parameters():
-            found[param] = saved[_unwrapped(name)]
+            if param.requires_grad:
+                found[param] = saved[_unwrapped(name)]
     return found
 
 
@@ -107,8 +109,11 @@ class MegatronOptimizer:
             },
             {"params": [u.main for u in self.units if u.param.ndim < 2], "weight_decay": 0.0, "wd_mult": 0.0},
         ]
+        # A rank with nothing to train (a pipeline stage without adapters, in a LoRA run) keeps both
+        # groups empty: it still steps, and joins the norm's collectives, with the others.
+        keep_empty = self.keeps_empty_groups or not self.units
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"] or self.keeps_empty_groups],
+            [g for g in groups if g["params"] or keep_empty],
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,

@@ -7,7 +7,9 @@ as Megatron names them), ``iter_*/metadata.json`` with the parallel layout, and
 reads them back through ``safety`` (no file can run code), ``compat`` and ``distrib_optim`` check
 what a checkpoint holds against this run, ``rng`` carries the generators' state. A weights-only load
 (``--finetune``, ``--pretrained-checkpoint``) of another layout goes through ``reshard``;
-``checkpoint_args`` serves ``--use-checkpoint-args``.
+``checkpoint_args`` serves ``--use-checkpoint-args``. A PEFT run (``config.peft``) reads its base from
+``--pretrained-checkpoint`` before the adapters are added (``pretrained``) and saves and resumes its
+adapters only, naming their base (``peft``).
 
 ``--ckpt-format torch_dist`` (``torch_dist``) writes megatron-core's distributed checkpoint instead,
 loadable at any layout, in the background with ``--async-save`` (``async_save``); ``commit`` makes
@@ -21,16 +23,20 @@ from megatron_lite.training.checkpointing.async_save import (
 )
 from megatron_lite.training.checkpointing.layout import TRACKER, get_checkpoint_name, read_tracker
 from megatron_lite.training.checkpointing.load import load_checkpoint
+from megatron_lite.training.checkpointing.peft import check_resume as check_peft_resume
+from megatron_lite.training.checkpointing.pretrained import load_pretrained_weights
 from megatron_lite.training.checkpointing.safety import CheckpointError
 from megatron_lite.training.checkpointing.save import save_checkpoint
 
 __all__ = [
     "TRACKER",
     "CheckpointError",
+    "check_peft_resume",
     "close_async_writer",
     "finalize_async_save",
     "get_checkpoint_name",
     "load_checkpoint",
+    "load_pretrained_weights",
     "read_tracker",
     "start_async_writer",
     "save_checkpoint",

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megatron_lite.core import activations
 from megatron_lite.training.checkpointing.compat import architecture_fields
+from megatron_lite.training.checkpointing.hf_directory import hf_directory_model, pretrained_hf_directory
 from megatron_lite.training.checkpointing.load import resolve_checkpoint
 from megatron_lite.training.checkpointing.reshard import read_saved_config
 from megatron_lite.training.checkpointing.safety import CheckpointError
@@ -71,6 +72,9 @@ def _saved_model(config) -> tuple[str, dict]:
     """(root, the saved config's model section) of the checkpoint this run will load."""
     config.checkpoint.finalize()  # its own errors first: a missing --pretrained-checkpoint, --ckpt-step alone
     try:
+        hf_dir = pretrained_hf_directory(config.checkpoint)  # HF directory: the model of its config.json
+        if hf_dir is not None:
+            return hf_dir, hf_directory_model(hf_dir)
         root, iteration, _ = resolve_checkpoint(config.checkpoint)
         if iteration is None:
             load = config.checkpoint.load

@@ -133,3 +133,20 @@ def resharded_model_error(root: str, saved_config: dict, model) -> str | None:
 def architecture_fields() -> tuple[str, ...]:
     """The model fields that make a checkpoint's weights another architecture."""
     return tuple(name for name, _flag, _default in _ARCHITECTURE)
+
+
+def architecture_record(model) -> dict:
+    """The architecture a load at any layout must match, as plain values (a saved config's ``model``
+    dict, or a model config): what a PEFT checkpoint records of its base."""
+    return {
+        name: _architecture_value(model, name, default) for name, _flag, default in _RESHARDED_ARCHITECTURE
+    }
+
+
+def architecture_difference(saved: dict, now: dict) -> tuple[str, str, object, object] | None:
+    """``(field, flag, saved value, this value)`` for the first field two ``architecture_record``s differ
+    in; None when they agree."""
+    for name, flag, _default in _RESHARDED_ARCHITECTURE:
+        if saved.get(name) != now.get(name):
+            return name, flag, saved.get(name), now.get(name)
+    return None

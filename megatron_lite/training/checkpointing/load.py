@@ -19,6 +19,10 @@ from megatron_lite.training.checkpointing.distrib_optim import (
     read_distributed_optimizer,
     uses_distributed_optimizer,
 )
+from megatron_lite.training.checkpointing.hf_directory import (  # HF directory
+    finetune_from_hf_directory,
+    pretrained_hf_directory,
+)
 from megatron_lite.training.checkpointing.layout import (
     TRACKER,
     check_layout,
@@ -36,6 +40,7 @@ from megatron_lite.training.checkpointing.layout import (
     read_tracker,
 )
 from megatron_lite.training.checkpointing.megatron_lm_optimizer import apply_by_name
+from megatron_lite.training.checkpointing.peft import keeps, load_adapter_state, peft_layout_error
 from megatron_lite.training.checkpointing.reshard import (
     describe_layout,
     read_saved_config,
@@ -77,7 +82,7 @@ def _load_shard(root: str, iteration: int) -> dict:
     return payload
 
 
-def _read_weights(root: str, iteration: int, finetune: bool, model, model_cfg):
+def read_weights(root: str, iteration: int, finetune: bool, model, model_cfg):
     """``(payload, error, note)``: this rank's payload, the first difference that refuses it, and the
     line announcing a reshard (None when the checkpoint's layout is this run's). A full resume reads
     its own shard of the saved layout only; a weights-only load takes the weights of any layout."""
@@ -141,15 +146,16 @@ def _chosen_iteration(root: str, step: int) -> int:
     return step
 
 
-def resolve_checkpoint(cfg) -> tuple[str | None, int | None, bool]:
+def resolve_checkpoint(cfg, pretrained: bool = True) -> tuple[str | None, int | None, bool]:
     """Where to load from, which iteration (None: start fresh) and whether weights only, as upstream:
     ``load`` when it holds a checkpoint (its ``ckpt_step`` or latest), else ``pretrained_checkpoint``
-    (its latest, weights only). ``--ckpt-step`` names an iteration of ``load`` only; a ``load`` with
-    iterations but no tracker is refused, never passed over for the pretrained weights."""
+    (its latest, weights only; not with ``pretrained`` False: a PEFT run read it before wrapping).
+    ``--ckpt-step`` names an iteration of ``load`` only; a ``load`` with iterations but no tracker is
+    refused, never passed over for the pretrained weights."""
     if cfg.ckpt_step is not None:
         return cfg.load, _chosen_iteration(cfg.load, cfg.ckpt_step), cfg.finetune
     iteration = None if cfg.load is None else read_tracker(cfg.load)
-    if cfg.pretrained_checkpoint is None or iteration is not None:
+    if cfg.pretrained_checkpoint is None or iteration is not None or not pretrained:
         return cfg.load, iteration, cfg.finetune
     iteration = read_tracker(cfg.pretrained_checkpoint, flag="--pretrained-checkpoint")
     if iteration is None:
@@ -165,15 +171,26 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
     """Restore from ``--load`` (or ``--pretrained-checkpoint``); returns the loaded iteration (0 when
     starting fresh). Collective."""
     cfg = state.cfg.checkpoint
+    keep = keeps(state.cfg)  # a PEFT run: its base came from --pretrained-checkpoint; adapters only here
+    hf_dir = pretrained_hf_directory(cfg) if keep is None else None  # HF directory: through the bridge
+    if hf_dir is not None:
+        return finetune_from_hf_directory(state, model, optimizer, scheduler, hf_dir)
     root, payload, param_state, error, iteration, finetune = cfg.load, None, None, None, None, cfg.finetune
     distributed = False
     schedule_error, reshard_note = None, None
     # Every file is read and checked before any state changes; every rank hears of any rank's error.
     try:
-        root, iteration, finetune = resolve_checkpoint(cfg)
+        root, iteration, finetune = resolve_checkpoint(cfg, pretrained=keep is None)
         distributed = iteration is not None and is_distributed_checkpoint(root, iteration)
+        if iteration is not None and not distributed and keep is not None:
+            # A legacy PEFT checkpoint's adapters load at its saved layout only (no reshard of them).
+            saved_layout = read_metadata(root, iteration)
+            if layout_differs(saved_layout, parallel_layout()):
+                raise CheckpointError(peft_layout_error(root, iteration, saved_layout, parallel_layout()))
         if iteration is not None and not distributed:
-            payload, error, reshard_note = _read_weights(root, iteration, finetune, model, state.cfg.model)
+            payload, error, reshard_note = read_weights(
+                root, iteration, finetune and keep is None, model, state.cfg.model
+            )
             if error is None and cfg.load_optim and not finetune:
                 optimizer_shard = my_optimizer_shard(root, iteration)
                 error = (
@@ -218,7 +235,9 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
             flush=True,
         )
     if iteration is None:
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and keep is not None:
+            print(f" no checkpoint found in {root}; training new adapters on the base model", flush=True)
+        elif dist.get_rank() == 0:
             print(f" no checkpoint found in {root}; starting from scratch", flush=True)
         return 0
     if distributed:
@@ -229,7 +248,10 @@ def load_checkpoint(state, model, optimizer, scheduler, pg_collection) -> int:
     if reshard_note and dist.get_rank() == 0:
         print(reshard_note, flush=True)
     try:
-        load_model_state(model, payload)
+        if keep is not None:
+            load_adapter_state(model, payload, keep)
+        else:
+            load_model_state(model, payload)
         if not finetune:
             state.train_state.load_state_dict(payload["train_state"])
             if cfg.load_optim and payload.get("megatron_lm"):

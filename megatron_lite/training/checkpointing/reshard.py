@@ -56,8 +56,14 @@ def read_saved_config(root: str, iteration: int) -> dict:
     """The saving run's config (``plain(ConfigContainer)``): a ``torch_dist`` checkpoint's
     ``common.pt``, else the first stage's first TP (and expert-parallel) shard (mapped, so its tensors
     are not read)."""
+    return read_saved_payload(root, iteration)["config"]
+
+
+def read_saved_payload(root: str, iteration: int) -> dict:
+    """What ``read_saved_config`` reads the config from (``common.pt``, or the first shard, mapped),
+    with its ``config`` checked to be there."""
     if is_distributed_checkpoint(root, iteration):
-        return read_common(root, iteration)["config"]
+        return read_common(root, iteration)
     layout = read_metadata(root, iteration)
     pp, ep = layout.get("pipeline_model_parallel_size", 1), layout.get("expert_model_parallel_size", 1)
     path = get_checkpoint_name(root, iteration, 0, 0, pp, 0, ep)
@@ -73,7 +79,7 @@ def read_saved_config(root: str, iteration: int) -> dict:
             f"--load {root}: iteration {iteration} holds no saved config, so the layers' stages are unknown; "
             "load it at the saved layout"
         )
-    return config
+    return payload
 
 
 def describe_layout(tp_size: int, split) -> str:

@@ -77,7 +77,8 @@ def plain(value):
     """``value`` as containers, numbers, strings, dtypes and tensors only: what weights_only loads.
     Callables become their names (the checkpoint's config records which, it never re-runs them)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
+        # asdict's own walk, without its copy of a defaultdict (which it cannot rebuild: LoRA's matcher)
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
         return {plain(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -22,13 +22,16 @@ from megatron_lite.training.checkpointing.layout import (
     my_shard_name,
     parallel_layout,
 )
+from megatron_lite.training.checkpointing.peft import adapter_state, checkpoint_config, keeps, peft_entries
 from megatron_lite.training.checkpointing.rng import rng_state
-from megatron_lite.training.checkpointing.safety import plain
 from megatron_lite.training.checkpointing.torch_dist import save_distributed
 from megatron_lite.utils.atomic_io import atomic_write_bytes, fsync_dir
 
 
-def _model_state(model) -> dict:
+def _model_state(model, keep=None) -> dict:
+    """Each chunk's state dict; with ``keep`` (a PEFT run's adapter filter) only the keys it admits."""
+    if keep is not None:
+        return adapter_state(model, keep)
     chunks = model_chunks(model)
     return {key: chunk.state_dict() for key, chunk in zip(model_keys(len(chunks)), chunks)}
 
@@ -62,13 +65,13 @@ def write_shard(tmp_root: str, payload: dict) -> str:
     return path
 
 
-def shard_payload(model, iteration: int, config: dict, **state) -> dict:
+def shard_payload(model, iteration: int, config: dict, keep=None, **state) -> dict:
     """What every ``model_optim_rng.pt`` holds (the weights, the layout, the config as plain data),
-    with ``state`` (optimizer, scheduler, RNG, ...) beside."""
+    with ``state`` (optimizer, scheduler, RNG, ...) beside; ``keep``: see ``_model_state``."""
     return {
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
-        **_model_state(model),
+        **_model_state(model, keep),
         **state,
         "parallel_layout": parallel_layout(),
         "config": config,
@@ -109,7 +112,9 @@ def _write_shards(state, model, optimizer, scheduler, tmp_root: str) -> None:
         payload = shard_payload(
             model,
             state.train_state.step,
-            plain(state.cfg),
+            checkpoint_config(state.cfg),
+            keeps(state.cfg),  # a PEFT run's adapters only, naming their base (peft.py)
+            **peft_entries(state.cfg),
             optimizer=optimizer.state_dict(),
             opt_param_scheduler=scheduler.state_dict(),
             train_state=state.train_state.state_dict(),

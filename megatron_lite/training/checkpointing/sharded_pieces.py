@@ -92,13 +92,17 @@ def sharded_pieces(
     moments: bool = True,
     fp32_weights_from: str = "",
     every_fp32: bool = False,
+    only: set | None = None,
 ):
     """This rank's pieces of the checkpoint's tensors: its weights, and with ``with_optimizer`` its
     optimizer state (of its own shard with the distributed optimizer; ``moments`` False: its fp32
     main parameters only). ``fp32_weights_from``: the prefix fp32 weights are read from (a load into
     an fp32 model of a checkpoint with fp32 main parameters beside lower-precision weights).
-    ``every_fp32``: every parameter's fp32 main weights, fp32 ones' too (torch_dist.fp32_mains)."""
+    ``every_fp32``: every parameter's fp32 main weights, fp32 ones' too (torch_dist.fp32_mains).
+    ``only``: these parameters alone (a PEFT checkpoint's adapters, ``peft.saved_parameters``)."""
     placement = _placement(model, model_cfg)
+    if only is not None:
+        placement = {p: where for p, where in placement.items() if p in only}
     dp_first = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     edp_first = parallel_state.get_expert_data_parallel_rank() == 0
     pieces = []

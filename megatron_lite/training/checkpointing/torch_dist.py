@@ -47,9 +47,10 @@ from megatron_lite.training.checkpointing.megatron_lm_out import (
     megatron_lm_args,
     megatron_lm_optimizer,
 )
+from megatron_lite.training.checkpointing.peft import checkpoint_config, peft_entries, saved_parameters
 from megatron_lite.training.checkpointing.reshard import describe_layout
 from megatron_lite.training.checkpointing.rng import rng_state, set_rng_state
-from megatron_lite.training.checkpointing.safety import CheckpointError, plain
+from megatron_lite.training.checkpointing.safety import CheckpointError
 from megatron_lite.training.checkpointing.sharded_pieces import fp32_mains, layout_record, sharded_pieces
 from megatron_lite.training.initialize import seed_rank_generators
 from megatron_lite.utils.atomic_io import atomic_write_bytes
@@ -68,7 +69,7 @@ def _common(state, model, optimizer, scheduler, rngs: list) -> dict:
     return {
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": state.train_state.step,
-        "config": plain(state.cfg),
+        "config": checkpoint_config(state.cfg),
         "parallel_layout": layout,
         "train_state": state.train_state.state_dict(),
         "opt_param_scheduler": scheduler.state_dict(),
@@ -91,6 +92,7 @@ def _common(state, model, optimizer, scheduler, rngs: list) -> dict:
         ),
         "num_floating_point_operations_so_far": float(state.train_state.floating_point_operations_so_far),
         "content_metadata": content_metadata(distributed),
+        **peft_entries(state.cfg),  # a PEFT run's adapters name their base (peft.py)
     }
 
 
@@ -115,7 +117,13 @@ def save_distributed(state, model, optimizer, scheduler) -> None:
             atomic_write_bytes(os.path.join(tmp_root, COMMON), lambda f: torch.save(common, f))
         prefix, every, _ = fp32_mains(model, optimizer)
         pieces = sharded_pieces(
-            model, optimizer, state.cfg.model, with_optimizer=True, fp32_from=prefix, every_fp32=every
+            model,
+            optimizer,
+            state.cfg.model,
+            with_optimizer=True,
+            fp32_from=prefix,
+            every_fp32=every,
+            only=saved_parameters(state.cfg, model),
         )
     except Exception as err:
         error = save_error("--save", root, iteration, err)
@@ -181,10 +189,14 @@ def read_pieces(pieces, metadata, root: str, iteration: int, flag: str = "--load
     agree(error)
 
 
-def load_distributed_weights(model, model_cfg, root: str, iteration: int, flag: str = "--load") -> None:
+def load_distributed_weights(
+    model, model_cfg, root: str, iteration: int, flag: str = "--load", only: set | None = None
+) -> None:
     """Only the weights of iteration ``iteration`` of the ``torch_dist`` checkpoint ``root``, at this
-    world's layout (a Hugging Face export, a conversion). Collective over the world."""
-    error, metadata, pieces = None, None, sharded_pieces(model, None, model_cfg, with_optimizer=False)
+    world's layout (a Hugging Face export, a conversion); ``only``: these parameters alone (a PEFT
+    checkpoint's adapters). Collective over the world."""
+    error, metadata = None, None
+    pieces = sharded_pieces(model, None, model_cfg, with_optimizer=False, only=only)
     try:
         metadata = load_metadata(_iteration_dir(root, iteration))
         check_data_files(_iteration_dir(root, iteration), metadata)
@@ -226,6 +238,7 @@ def load_distributed(state, model, optimizer, scheduler, root: str, iteration: i
                 moments=not mains_only,
                 # An fp32 model takes its weights from the fp32 main parameters saved beside bf16 ones.
                 fp32_weights_from=fp32 if with_optimizer else "",
+                only=saved_parameters(state.cfg, model),
             )
             metadata = load_metadata(_iteration_dir(root, iteration))
             check_data_files(_iteration_dir(root, iteration), metadata)  # a missing or cut .distcp

@@ -1,9 +1,9 @@
 """Megatron-LM's command-line flags: the one table that maps each flag onto a config field.
 
 ``parser`` builds the parser from it and copies each given value onto its field (the flags whose field
-is None it maps itself, with ``parallel_args``, ``data_args`` and ``moe_args``); a help of None is the
-field's docstring (``field_docs``), written once; ``ranges`` holds each numeric flag's allowed values,
-checked first by ``ConfigContainer.validate``.
+is None it maps itself, with ``parallel_args``, ``data_args``, ``moe_args`` and ``peft_args``); a help
+of None is the field's docstring (``field_docs``), written once; ``ranges`` holds each numeric flag's
+allowed values, checked first by ``ConfigContainer.validate``.
 """
 
 from __future__ import annotations
@@ -142,6 +142,30 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--moe-token-drop-policy", "model", "moe_token_drop_policy", str, None),
     ("--expert-model-parallel-size", "model", "expert_model_parallel_size", int, None),
     ("--expert-tensor-parallel-size", "model", "expert_tensor_parallel_size", int, None),
+    # Parameter-efficient fine-tuning (Megatron-Bridge's LoRA, config.peft): peft_args.peft_from_args
+    # builds the section from --peft; the other rows set its fields (Bridge's names).
+    (
+        "--peft",
+        "peft",
+        None,
+        str,
+        "Parameter-efficient fine-tuning: lora (Megatron-Bridge's LoRA; needs --pretrained-checkpoint).",
+    ),
+    ("--lora-dim", "peft", "dim", int, None),
+    ("--lora-alpha", "peft", "alpha", int, None),
+    ("--lora-dropout", "peft", "dropout", float, None),
+    ("--lora-dropout-position", "peft", "dropout_position", str, None),
+    ("--lora-target-modules", "peft", "target_modules", "+", None),
+    ("--lora-exclude-modules", "peft", "exclude_modules", "+", None),
+    ("--lora-a-init-method", "peft", "lora_A_init_method", str, None),
+    ("--lora-b-init-method", "peft", "lora_B_init_method", str, None),
+    (
+        "--lora-sequence-parallel-input-regather",
+        "peft",
+        "sequence_parallel_input_regather",
+        "store_true",
+        None,
+    ),
     # Training
     ("--micro-batch-size", "train", "micro_batch_size", int, None),
     ("--global-batch-size", "train", "global_batch_size", int, None),

@@ -23,6 +23,7 @@ from megatron_lite.training.cli.field_docs import field_docs
 from megatron_lite.training.cli.flags import FLAGS, PROFILING_FLAGS, UNSUPPORTED_FLAGS
 from megatron_lite.training.cli.moe_args import moe_from_args
 from megatron_lite.training.cli.parallel_args import virtual_pipeline_from_args
+from megatron_lite.training.cli.peft_args import peft_from_args, peft_section
 from megatron_lite.training.cli.ranges import check_parsed_flags
 from megatron_lite.training.config import ConfigContainer, ConfigError
 from megatron_lite.training.config.profiling import ProfilingConfig
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a GPT with megatron_lite (Megatron-LM flag names).",
     )
     defaults = ConfigContainer()
+    defaults.peft = peft_section()()  # the section --peft builds: its defaults are the --lora-* ones
     groups: dict[str, argparse._ArgumentGroup] = {}
     metavars = {int: "N", float: "X", str: "S"}
     for flag, section, name, kind, help_text in FLAGS:
@@ -154,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
             raise ConfigError(flag, "is not supported yet by megatron_lite")
     config = ConfigContainer()
     prepare_dataset_section(args, config)
+    peft_from_args(args, config)  # the section the --lora-* rows fill in
     for flag, section, name, _kind, _help in FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and name is not None:

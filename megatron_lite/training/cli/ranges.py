@@ -118,6 +118,10 @@ RANGES: dict[str, Range] = {
     "--moe-router-topk-scaling-factor": POSITIVE,
     # Negative: no capacity limit (upstream's None); 0 is refused by validate/moe.py (every token dropped).
     "--moe-expert-capacity-factor": Range(integer=False),
+    # Parameter-efficient fine-tuning
+    "--lora-dim": ONE_OR_MORE,
+    "--lora-alpha": ONE_OR_MORE,  # the adapter's scale is alpha / dim: 0 would switch it off
+    "--lora-dropout": PROBABILITY,  # 0: no dropout (the default)
     # Training
     **dict.fromkeys(
         (

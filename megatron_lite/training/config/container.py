@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 
 from megatron_lite.data.base import DatasetProvider
 from megatron_lite.models.gpt_provider import GPTModelProvider
+from megatron_lite.peft import PEFT
 from megatron_lite.training.cli.ranges import check_config_ranges
 from megatron_lite.training.config.base import _ConfigContainerBase
 from megatron_lite.training.config.checkpoint import CheckpointConfig
@@ -89,8 +90,10 @@ class ConfigContainer(_ConfigContainerBase):
     applied to the model, optimizer and DDP sections by :func:`runtime_config_update`."""
     comm_overlap: object | None = None
     """Communication-overlap tuning (not supported: None)."""
-    peft: object | None = None
-    """Parameter-efficient finetuning (not supported: None)."""
+    peft: PEFT | None = None
+    """Parameter-efficient fine-tuning (Megatron-Bridge's: a ``megatron_lite.peft.LoRA``): the base
+    weights from ``checkpoint.pretrained_checkpoint``, frozen; only the adapters train and are saved.
+    None trains every parameter."""
     ft: object | None = None
     """Fault tolerance (not supported: None)."""
     straggler: object | None = None

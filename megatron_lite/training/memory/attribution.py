@@ -1,5 +1,7 @@
 """What this rank's memory is made of, measured from the tensors: weights, gradient buffers, and the
-rest of the allocated total once the optimizer state and activations are taken out.
+rest of the allocated total once the optimizer state and activations are taken out; with LoRA the
+adapters' part of the weights (the trainable parameters: the gradient buffers and the optimizer state
+are theirs alone, the frozen base has neither).
 
 The weights are the model chunks' parameter storages, each counted once (tied weights, and parameters
 that are views of one contiguous buffer, share a storage); the gradients are the DDP buffers' fp32
@@ -27,6 +29,15 @@ def weights_bytes(model_chunks) -> int:
     return _unique_storage_bytes(p for chunk in model_chunks for p in chunk.parameters())
 
 
+def adapter_weights_bytes(model_chunks) -> int | None:
+    """Bytes of the trainable parameters when some are frozen (LoRA: the adapters), every storage
+    once; None when every parameter trains."""
+    params = [p for chunk in model_chunks for p in chunk.parameters()]
+    if all(p.requires_grad for p in params):
+        return None
+    return _unique_storage_bytes(p for p in params if p.requires_grad)
+
+
 def _grad_tensors(model_chunks) -> list[torch.Tensor]:
     """The gradient buffers (DDP's contiguous ``grad_data``), plus any plain ``.grad``."""
     buffers = [buf.grad_data for chunk in model_chunks for buf in getattr(chunk, "buffers", [])]
@@ -50,10 +61,14 @@ class ModelMemory:
     def stats(self) -> dict[str, int]:
         if self.model_chunks is None:
             return {}
-        return {
+        stats = {
             "weights_bytes.current": weights_bytes(self.model_chunks),
             "grads_bytes.current": grads_bytes(self.model_chunks),
         }
+        adapters = adapter_weights_bytes(self.model_chunks)
+        if adapters is not None:  # LoRA: the adapters' part of the weights
+            stats["adapter_weights_bytes.current"] = adapters
+        return stats
 
 
 MODEL_MEMORY = ModelMemory()

@@ -56,6 +56,7 @@ OPTIMIZER_MEMORY_KEYS: dict[str, str] = {"optimizer_state_bytes.current": "mem-o
 ATTRIBUTION_MEMORY_KEYS: dict[str, str] = {
     "weights_bytes.current": "mem-weights-bytes",
     "grads_bytes.current": "mem-grads-bytes",
+    "adapter_weights_bytes.current": "mem-adapter-weights-bytes",  # LoRA runs only
     "other_bytes.current": "mem-other-bytes",
     "other_bytes.peak": "mem-max-other-bytes",
     "temporaries_bytes.peak": "mem-temporaries-bytes",

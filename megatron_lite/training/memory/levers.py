@@ -1,10 +1,10 @@
 """The memory levers the preflight may pull, and what each costs: sequence parallelism, the
 distributed optimizer, recompute (selective, or full over 1..N layers per chunk), moving layers from
 the first stage to the last, deferring one microbatch's output-layer wgrad, the fused loss, a deeper
-pipeline and, for MoE models, a larger expert-parallel size and a capacity factor.
-``candidate_changes`` lists every combination this layout can still pull, cheapest first: every
-combination that keeps all tokens before any that drops some (a capacity factor), and within each by
-the extra step time."""
+pipeline, for MoE models a larger expert-parallel size and a capacity factor and, for LoRA, the
+adapters' sequence-parallel input regather and a smaller rank. ``candidate_changes`` lists every combination this layout can still pull, cheapest first: every
+combination that keeps all tokens and the LoRA rank before any that drops tokens (a capacity factor),
+those before any that lowers the rank, and within each by the extra step time."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ class Change:
     cost: float
     why: str
     quality: int = 0
+    quality_note: str = ""
+    """What the quality cost is, said beside the recommendation (never silently)."""
 
 
 def _recompute_changes(m, layers_per_chunk: int) -> list[Change]:
@@ -126,15 +128,66 @@ def _capacity_changes(m) -> list[Change]:
     busiest expert of skewed routing does), so it ranks after every change that keeps them all."""
     if not m.num_moe_experts or m.moe_expert_capacity_factor is not None:
         return []
+    note = (
+        "it drops the tokens routed past an expert's capacity, a cost in model quality: tried only "
+        "after every change that keeps all tokens"
+    )
     return [
         Change(
             ("--moe-expert-capacity-factor", str(cf), "--moe-pad-expert-input-to-capacity"),
             0.0,
             f"capacity factor {cf}, padded: each expert takes {cf}x its balanced share of a rank's tokens",
             quality=rank,
+            quality_note=note,
         )
         for rank, cf in enumerate(CAPACITY_FACTORS, 1)
     ]
+
+
+# A LoRA rank is not halved below this.
+MIN_LORA_DIM = 4
+# Past every capacity factor's quality rank: a smaller rank is the last lever tried.
+_LORA_QUALITY = len(CAPACITY_FACTORS) + 1
+
+
+def _lora_dim_changes(config) -> list[Change]:
+    """LoRA: a smaller --lora-dim (halved, down to MIN_LORA_DIM, divisible by the tensor-parallel
+    sizes its column-parallel adapters split it over): fewer adapter weights, gradients and optimizer
+    state, and a smaller low-rank activation. It changes what the fine-tune can learn, so it is tried
+    after every other lever and said so; --lora-alpha is kept (the update's scale alpha / dim grows)."""
+    from megatron_lite.training.memory.predict.lora import lora_of
+
+    lora = lora_of(config)
+    if lora is None:
+        return []
+    m = config.model
+    split = max(m.tensor_model_parallel_size, m.expert_tensor_parallel_size or 1)
+    note = (
+        "a lower LoRA rank adapts less, a cost in what the fine-tune can learn: tried only after every "
+        "change that keeps the rank"
+    )
+    changes, dim = [], lora.dim // 2
+    while dim >= MIN_LORA_DIM and dim % split == 0:
+        halvings = (lora.dim // dim).bit_length() - 1
+        why = f"LoRA rank {dim} instead of {lora.dim}"
+        changes.append(Change(("--lora-dim", str(dim)), 0.0, why, _LORA_QUALITY + halvings, note))
+        dim //= 2
+    return changes
+
+
+def _regather_change(config) -> Change | None:
+    """LoRA under sequence parallelism at TP > 1: --lora-sequence-parallel-input-regather (Bridge's
+    sequence_parallel_input_regather): linear_qkv's and linear_fc1's adapters keep their input split
+    by sequence (1/tp of the gathered copy they keep otherwise) and gather it again in backward, one
+    more all-gather per adapter (megatron-core overlaps it with the input-gradient GEMM). Same
+    numbers: it ranks with the levers that cost time only, before any smaller rank."""
+    from megatron_lite.training.memory.predict.lora import lora_of
+
+    lora = lora_of(config)
+    if lora is None or lora.sequence_parallel_input_regather or config.model.tensor_model_parallel_size == 1:
+        return None
+    why = "LoRA adapters keep their input split by sequence, re-gathered in backward"
+    return Change(("--lora-sequence-parallel-input-regather",), 0.01, why)
 
 
 def candidate_changes(config) -> list[Change]:
@@ -150,6 +203,13 @@ def candidate_changes(config) -> list[Change]:
             Change(("--sequence-parallel",), 0.0, "sequence parallel: norms and dropout split over tp"),
         ]
     )
+    regather = _regather_change(config)
+    if regather is not None:  # it acts under sequence parallelism only: with it, or with its proposal
+        if m.sequence_parallel:
+            sp = [None, regather]
+        else:
+            both = Change((*sp[1].flags, *regather.flags), regather.cost, f"{sp[1].why}; {regather.why}")
+            sp.append(both)
     distributed = config.optimizer.use_distributed_optimizer or config.data_parallel_size == 1
     distopt = (
         [None]
@@ -183,12 +243,16 @@ def candidate_changes(config) -> list[Change]:
     expert = [None, *_expert_parallel_changes(config)]
     capacity = [None, *_capacity_changes(m)]
     fusion = [None, *_loss_fusion_changes(m)]
+    rank = [None, *_lora_dim_changes(config)]
     combos = []
-    for parts in itertools.product(fusion, deferral, sp, distopt, expert, recompute, split, capacity):
-        parts = [*parts[:-2], *parts[-2], parts[-1]]
+    for parts in itertools.product(fusion, deferral, sp, distopt, expert, recompute, split, capacity, rank):
+        parts = [*parts[:-3], *parts[-3], *parts[-2:]]
         chosen = [c for c in parts if c is not None]
         if chosen:
             flags = tuple(f for c in chosen for f in c.flags)
             why = "; ".join(c.why for c in chosen)
-            combos.append(Change(flags, sum(c.cost for c in chosen), why, sum(c.quality for c in chosen)))
+            note = "; ".join(c.quality_note for c in chosen if c.quality_note)
+            combos.append(
+                Change(flags, sum(c.cost for c in chosen), why, sum(c.quality for c in chosen), note)
+            )
     return sorted(combos, key=lambda c: (c.quality, c.cost, len(c.flags)))

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 # Column -> the measured name in the memory report (gigabytes, 1e9 bytes).
 COLUMNS = {
     "weights": "mem-weights-gigabytes",
+    "adapters": "mem-adapter-weights-gigabytes",  # LoRA: the adapters' part of the weights
     "grads": "mem-grads-gigabytes",
     "optim": "mem-optimizer-state-gigabytes",
     "act": "mem-max-activation-gigabytes",
@@ -68,8 +69,12 @@ def format_preflight_table(predictions, capacity_gb: float, dry=None, balanced=N
     temporaries at the predicted peak, the peak, the device's headroom above it; with ``dry`` (the dry
     run's StageDryRun list) the dry run's measured peak and its difference from the prediction; with
     ``balanced`` (a MoE model's predictions under balanced routing, when ``predictions`` are the
-    worst routing's) balanced routing's peak."""
-    columns = ("weights", "grads", "optim", "act", "temp", "peak", "headroom")
+    worst routing's) balanced routing's peak. With LoRA an ``adapters`` column: the adapters' part of
+    the weights (the grads and optim columns are theirs alone: the frozen base has neither)."""
+    lora = any(p.adapter_weights_bytes for p in predictions)
+    columns = (
+        ("weights",) + (("adapters",) if lora else ()) + ("grads", "optim", "act", "temp", "peak", "headroom")
+    )
     columns += ("dry run", "diff%") if dry else ()
     columns += ("balanced",) if balanced else ()
     title = "   (GB; predicted" + ("; dry run: measured on fake tensors" if dry else "")
@@ -78,6 +83,7 @@ def format_preflight_table(predictions, capacity_gb: float, dry=None, balanced=N
     for i, p in enumerate(predictions):
         values = (
             p.weights_bytes,
+            *((p.adapter_weights_bytes,) if lora else ()),
             p.grads_bytes,
             p.optimizer_state_bytes,
             preflight_activation_bytes(p),

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_lite.bridge.models.conversion import model_bridge
+from megatron_lite.bridge.models.conversion.auto_bridge_adapters import AdapterExport
 from megatron_lite.bridge.models.conversion.auto_bridge_checkpoints import MegatronCheckpoints
 from megatron_lite.bridge.models.conversion.errors import BridgeError
 from megatron_lite.bridge.models.conversion.hf_config import UNSUPPORTED
@@ -59,7 +60,7 @@ def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-class AutoBridge(MegatronCheckpoints):
+class AutoBridge(MegatronCheckpoints, AdapterExport):
     """A Hugging Face model (a ``PreTrainedCausalLM`` / ``PreTrainedMaskedLM`` /
     ``PreTrainedTokenClassification`` wrapper, or a config alone) and the family bridge that reads it."""
 

@@ -152,7 +152,7 @@ class ConfigBridge:
     def dtype_from_hf(self, config, default=None) -> torch.dtype:
         """The weights' dtype a config names (``torch_dtype``, or ``dtype`` as transformers >= 4.56
         writes it); ``default`` when it names none."""
-        for key in ("torch_dtype", "dtype"):
+        for key in ("dtype", "torch_dtype"):  # transformers' current name first: the old one warns
             value = getattr(config, key, None)
             if isinstance(value, torch.dtype):
                 return value

@@ -84,6 +84,10 @@ class WholeTensorExport:
         return self.mapping.hf_param
 
     def megatron_to_hf(self, megatron_weights, megatron_module) -> dict[str, torch.Tensor]:
+        return self.mapping.full_to_hf(self.whole(megatron_weights), self.config)
+
+    def whole(self, megatron_weights) -> torch.Tensor:
+        """The whole megatron tensor (TP-merged), on every rank."""
         if megatron_weights is not None and self.stage == dist.get_rank(self.pp_group):
             local = megatron_weights.detach()
             group = self.expt_tp_group if experts.is_expert_param(self.name) else self.tp_group
@@ -99,4 +103,4 @@ class WholeTensorExport:
             if full is None:
                 full = torch.empty(tuple(meta.tolist()), dtype=self.dtype, device=self.device)
             dist.broadcast(full, src, group=self.pp_group)
-        return self.mapping.full_to_hf(full, self.config)
+        return full

@@ -81,17 +81,17 @@ def export_ckpt(bridge, megatron_path: str, hf_path: str, show_progress: bool = 
     iteration, _ = saved_layout(megatron_path)
     if is_distributed_checkpoint(megatron_path, iteration, flag="--megatron-path"):
         saved_config = read_common(megatron_path, iteration, flag="--megatron-path")["config"]
-        chunks, provider = _export_chunks(bridge, megatron_path, saved_config)
+        chunks, provider = export_chunks(bridge, megatron_path, saved_config)
         try:
             load_distributed_weights(chunks, provider, megatron_path, iteration, flag="--megatron-path")
         except CheckpointError as err:
             raise BridgeError(str(err)) from None
     else:
         chunks = _load_legacy_shard(bridge, megatron_path, iteration)
-    _save_whole(bridge, chunks, hf_path, show_progress)
+    save_whole(bridge, chunks, hf_path, show_progress)
 
 
-def _save_whole(bridge, chunks, hf_path: str, show_progress: bool) -> None:
+def save_whole(bridge, chunks, hf_path: str, show_progress: bool) -> None:
     """Write the directory beside ``hf_path`` and put it in place only once complete: a failed export
     leaves what was there. Collective (the save is; rank 0 names the directory and moves it)."""
     final = os.path.abspath(hf_path)
@@ -111,7 +111,7 @@ def _save_whole(bridge, chunks, hf_path: str, show_progress: bool) -> None:
         dist.barrier()
 
 
-def _export_chunks(bridge, megatron_path: str, saved_config: dict | None):
+def export_chunks(bridge, megatron_path: str, saved_config: dict | None):
     provider = export_provider(bridge, megatron_path, saved_config)
     vp = provider.virtual_pipeline_model_parallel_size
     return [provider.provide(vp_stage=i if vp else None) for i in range(vp or 1)], provider
@@ -132,7 +132,7 @@ def _load_legacy_shard(bridge, megatron_path: str, iteration: int) -> list:
         raise BridgeError(f"--megatron-path {megatron_path}: iteration {iteration} has no {shard}") from None
     except CheckpointError as err:
         raise BridgeError(str(err)) from None
-    chunks, _ = _export_chunks(bridge, megatron_path, payload.get("config"))
+    chunks, _ = export_chunks(bridge, megatron_path, payload.get("config"))
     try:
         load_model_state(chunks, payload)
     except (ValueError, RuntimeError) as err:

@@ -3,7 +3,8 @@ streams every family shares (Hugging Face -> this rank's shards, all ranks' shar
 under Megatron-Bridge's names and signatures.
 
 Import reads each rank's TP shard straight from the files (``read_shard``): no rank holds a tensor it
-does not need. Export builds one WeightConversionTask per parameter of the whole model, in the same
+does not need; a LoRA-wrapped layer reads its base's weights (peft_bridge.py exports the adapters,
+or folds them in on export). Export builds one WeightConversionTask per parameter of the whole model, in the same
 order on every rank, and runs Megatron-Bridge's loop over them: convert (gather), let the family
 adjust, drop the vocabulary padding, stack fused experts, write a tied output layer's second name,
 then the task's export hook and the move to the CPU.
@@ -16,7 +17,7 @@ import fnmatch
 import torch
 import torch.distributed as dist
 
-from megatron_lite.bridge.models.conversion import bridge_registry, experts
+from megatron_lite.bridge.models.conversion import bridge_registry, experts, peft_bridge
 from megatron_lite.bridge.models.conversion.bridge_registry import get_model_bridge
 from megatron_lite.bridge.models.conversion.config_bridge import ConfigBridge, make_vocab_size_divisible_by
 from megatron_lite.bridge.models.conversion.errors import BridgeError
@@ -95,7 +96,7 @@ def _is_pretrained_config(obj) -> bool:
     return any(cls.__name__ == "PretrainedConfig" for cls in type(obj).__mro__)
 
 
-class MegatronModelBridge(ConfigBridge, ExportSteps):
+class MegatronModelBridge(ConfigBridge, ExportSteps, peft_bridge.MegatronPeftBridge):
     """A family subclasses it, registers with ``@MegatronModelBridge.register_bridge(source=...,
     target=..., model_type=...)`` and gives ``mapping_registry()`` and its config fields."""
 
@@ -188,6 +189,9 @@ class MegatronModelBridge(ConfigBridge, ExportSteps):
             tp_group, _, expt_tp_group, _ = model_groups(chunk)
             with torch.no_grad():
                 for full_name, param in named_global_parameters(chunk):
+                    if self._is_adapter_param_name(full_name):
+                        continue  # a LoRA adapter's own weights: no tensor of the base model's files
+                    full_name = self._get_lora_unwrapped_name(full_name)  # a LoRA-wrapped layer's base
                     # A routed expert splits over the expert-TP ranks, everything else over TP.
                     group = expt_tp_group if experts.is_expert_param(full_name) else tp_group
                     tp_rank, tp_size = dist.get_rank(group), dist.get_world_size(group)
@@ -229,9 +233,13 @@ class MegatronModelBridge(ConfigBridge, ExportSteps):
         entries = stage_parameters(chunks, chunks[0].config)
         return sorted(owners_over_stages(entries, model_groups(chunks[0])[1]), key=export_order)
 
-    def build_conversion_tasks(self, hf_pretrained, megatron_model, weight_dtype=None) -> list:
+    def build_conversion_tasks(
+        self, hf_pretrained, megatron_model, weight_dtype=None, merge_adapter_weights: bool = True
+    ) -> list:
         """One export task per parameter of the whole model, the same list on every rank (collective
-        over PP). Refused (BridgeError) at expert parallel size > 1: each rank holds some experts only."""
+        over PP). Refused (BridgeError) at expert parallel size > 1: each rank holds some experts only.
+        A LoRA-wrapped layer exports its base weight, with ``merge_adapter_weights`` the adapter
+        folded in; the adapters alone export through ``save_hf_adapter``."""
         chunks = unwrap_model(megatron_model if isinstance(megatron_model, list) else [megatron_model])
         config = chunks[0].config
         if hf_pretrained is not None:
@@ -245,23 +253,31 @@ class MegatronModelBridge(ConfigBridge, ExportSteps):
         registry = self.mapping_registry()
         entries = stage_parameters(chunks, config)
         owners = owners_over_stages(entries, pp_group)
+        scales = peft_bridge.adapter_scales(chunks, pp_group) if merge_adapter_weights else {}
         # NCCL moves device tensors only: the shapes and received tensors live where the weights do.
         device = next(chunks[0].parameters()).device
+        wrappers = peft_bridge.stage_wrappers(chunks)
         tasks = []
-        for name in sorted(owners, key=export_order):
+        for raw in sorted((n for n in owners if not self._is_adapter_param_name(n)), key=export_order):
+            name = self._get_lora_unwrapped_name(raw)  # a LoRA-wrapped layer's base weight
             mapping = registry.megatron_to_hf_lookup(name)
             if mapping is None:
                 raise BridgeError(f"{name} has no Hugging Face name in a {self.MODEL_TYPE} model")
-            param, vp_stage, chunk = entries.get(name, (None, None, None))
+            param, vp_stage, chunk = entries.get(raw, (None, None, None))
             export = WholeTensorExport(
-                mapping, name, owners[name], (tp_group, pp_group, expt_tp_group), config, device
+                mapping, name, owners[raw], (tp_group, pp_group, expt_tp_group), config, device
             )
+            if ".to_wrap.weight" in raw and merge_adapter_weights:  # biases are not adapted
+                prefix = raw.split(".to_wrap.")[0]
+                export = peft_bridge.MergedLoRAExport(
+                    export, prefix, owners, wrappers.get(prefix), scales[prefix]
+                )
             tasks.append(
                 WeightConversionTask(
                     param_name=name,
                     global_param_name=name,
                     mapping=export,
-                    pp_rank=owners[name][0],
+                    pp_rank=owners[raw][0],
                     vp_stage=vp_stage,
                     megatron_module=chunk,
                     param_weight=param,
@@ -289,7 +305,9 @@ class MegatronModelBridge(ConfigBridge, ExportSteps):
         self.hf_pretrained = hf_pretrained
         self.hf_config = hf_pretrained.config if hasattr(hf_pretrained, "config") else hf_pretrained
         if conversion_tasks is None:
-            conversion_tasks = self.build_conversion_tasks(hf_pretrained, chunks, weight_dtype=weight_dtype)
+            conversion_tasks = self.build_conversion_tasks(
+                hf_pretrained, chunks, weight_dtype=weight_dtype, merge_adapter_weights=merge_adapter_weights
+            )
         elif weight_dtype is not None:
             raise ValueError("weight_dtype is not supported with caller-supplied conversion_tasks")
         model_config = chunks[0].config

@@ -66,6 +66,7 @@ class GPT2Bridge(MegatronModelBridge):
     hf_config_defaults = GPT2_DEFAULTS
     optional_hf_prefix = "transformer."  # the hub's gpt2 files name tensors without it
     ignored_hf_suffixes = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older files hold
+    LORA_FAN_IN_FAN_OUT = True  # its Conv1D layers store [in, out]: PEFT's adapter config says so
 
     def check_hf_config(self, cfg: HFConfig) -> None:
         if cfg["activation_function"] not in ("gelu_new", "gelu"):

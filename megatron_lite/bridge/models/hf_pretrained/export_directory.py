@@ -9,7 +9,7 @@ import os
 
 import torch.distributed as dist
 
-from megatron_lite.bridge.models.conversion.errors import BridgeError
+from megatron_lite.bridge.models.conversion.errors import BridgeError, raise_rank0_error
 from megatron_lite.bridge.models.conversion.utils import unwrap_model
 from megatron_lite.bridge.models.hf_pretrained.safe_tensors import ShardedWriter
 from megatron_lite.utils.atomic_io import write_error_line
@@ -69,9 +69,4 @@ def write_hf_weights(
                     os.fsync(f.fileno())
         except Exception as err:  # every rank must reach the broadcast below
             error = f"{path}: {_reason(err)}"
-    if dist.is_initialized():
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise BridgeError(error)
+    raise_rank0_error(error)

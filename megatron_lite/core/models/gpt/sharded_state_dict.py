@@ -17,10 +17,13 @@ that wrote it.
 
 from __future__ import annotations
 
+import re
+
 from megatron_lite.core.dist_checkpointing.mapping import Slab
 from megatron_lite.core.models.gpt.expert_sharding import expert_split_dim, routed_expert
 from megatron_lite.core.models.gpt.state_dict_sharding import (
     VOCAB_PARALLEL,
+    adapter_of,
     is_gated_fc1,
     layer_index,
     tp_split_dim,
@@ -71,6 +74,39 @@ def _split_slabs(key, local_shape, dim, *, gated, rank, size, layer, vocab=False
     return [Slab(key, 0, rows, (rows * rank, *rest), shape, layer, vocab, expert=expert)], False
 
 
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def expert_adapter(name: str) -> tuple[str, int | None] | None:
+    """For a LoRA adapter of a routed expert layer: ``(its name with the experts' global key, the local
+    expert index)``; the index is None for one adapter shared by a rank's grouped experts (and by every
+    expert-parallel rank). None for any other entry."""
+    if adapter_of(name) is None or ".mlp.experts." not in name:
+        return None
+    match = _LOCAL_EXPERT.search(name)
+    if match is None:
+        return name, None
+    return name[: match.start()] + ".experts." + name[match.end() :], int(match.group(1))
+
+
+def _expert_adapter_slabs(name, local_shape, *, gated, layer, moe, stacked, experts):
+    """``(slabs, replicated)`` of a routed expert layer's adapter: split over expert TP as its base
+    (fc1 column-, fc2 row-parallel), on the global expert axis when it is one expert's."""
+    renamed, local = expert_adapter(name)
+    base, part = adapter_of(renamed)
+    first, count, etp_rank, etp_size = experts
+    return _split_slabs(
+        checkpoint_key(renamed, moe=moe, stacked=stacked),
+        local_shape,
+        1 if part == "linear_in" and ".linear_fc2." in base else 0,
+        gated=gated and part == "linear_out" and ".linear_fc1." in base,
+        rank=etp_rank,
+        size=etp_size,
+        layer=layer,
+        expert=None if local is None else (first + local, count),
+    )
+
+
 def parameter_slabs(
     name: str,
     local_shape,
@@ -92,6 +128,10 @@ def parameter_slabs(
     local_shape = tuple(local_shape)
     key, index = checkpoint_key(name, moe=moe, stacked=stacked), layer_index(name)
     layer = None if index is None or not stacked else (index + layer_offset, num_layers)
+    if expert_adapter(name) is not None:
+        return _expert_adapter_slabs(
+            name, local_shape, gated=gated, layer=layer, moe=moe, stacked=stacked, experts=experts
+        )
     routed = routed_expert(name)
     if routed is not None:
         first, count, etp_rank, etp_size = experts
@@ -134,7 +174,9 @@ def chunk_slabs(
     or not); ``replicated``: over TP (a routed expert: over expert TP); ``read_only``: an output layer
     tied to the word embedding in a chunk without it (a copy, loaded from the embedding and never
     saved)."""
-    params = dict(unwrap_model(chunk).named_parameters())
+    # A LoRA-wrapped layer's base parameters keep the base's keys (Bridge's state dict drops
+    # ``to_wrap.``, the wrapper's attribute).
+    params = {n.replace(".to_wrap.", "."): p for n, p in unwrap_model(chunk).named_parameters()}
     moe_layers = {layer_index(n) for n in params if ".mlp.router." in n}
     found = {}
     for name, param in params.items():
@@ -151,5 +193,10 @@ def chunk_slabs(
             stacked=stacked,
             experts=experts,
         )
-        found[param] = (slabs, replicated and not read_only, read_only, routed_expert(name) is not None)
+        # An adapter shared by every expert-parallel rank (the same tensor on each) is written by the
+        # first of them only: the others read it back.
+        shared = expert_adapter(name) is not None and expert_adapter(name)[1] is None
+        read_only = read_only or (shared and experts[0] > 0)
+        expert = routed_expert(name) is not None or expert_adapter(name) is not None
+        found[param] = (slabs, replicated and not read_only, read_only, expert)
     return found

@@ -11,7 +11,11 @@ The rules are megatron-core's (its ``sharded_state_dict`` factories):
   MLP; its router and shared-expert gate are replicated (routed experts: ``expert_sharding``);
 - the word embedding and the output layer split the padded vocabulary along dim 0. The full tensor
   here is the unpadded one (``vocab_size`` rows): padding rows are zeros, added per layout;
-- everything else (norms, position embeddings, row-parallel biases) is replicated.
+- everything else (norms, position embeddings, row-parallel biases) is replicated;
+- a LoRA adapter of a layer (``<layer>.adapter.linear_in.weight`` / ``linear_out.weight``, Megatron-Bridge's
+  ``ParallelLinearAdapter``) follows its base: ``linear_out`` is split by rows (a gated ``linear_fc1``'s as
+  ``[gate; up]``, the rows it adds to), ``linear_in`` by rows under a column-parallel base and by
+  columns under a row-parallel one; an adapter of a replicated layer is replicated.
 """
 
 from __future__ import annotations
@@ -30,10 +34,25 @@ _FC1 = (
 )
 _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "shared_experts.linear_fc2.weight")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_ADAPTER = re.compile(r"^(?P<base>.+)\.adapter\.(?P<part>linear_in|linear_out)\.weight$")
+
+
+def adapter_of(name: str) -> tuple[str, str] | None:
+    """``(the base layer's weight name, "linear_in" | "linear_out")`` for a LoRA adapter's entry; None
+    for any other."""
+    match = _ADAPTER.match(name)
+    return None if match is None else (match["base"] + ".weight", match["part"])
 
 
 def tp_split_dim(name: str) -> int | None:
     """The dim ``name`` is split along over TP ranks; None when every rank holds all of it."""
+    adapter = adapter_of(name)
+    if adapter is not None:
+        base, part = adapter
+        base_dim = tp_split_dim(base)
+        if base_dim is None:
+            return None
+        return 1 if part == "linear_in" and base_dim == 1 else 0
     if name in VOCAB_PARALLEL or name.endswith(_COLUMN) or name.endswith(_FC1):
         return 0
     if name.endswith(_ROW):
@@ -42,6 +61,10 @@ def tp_split_dim(name: str) -> int | None:
 
 
 def is_gated_fc1(name: str, gated: bool) -> bool:
+    """A gated ``linear_fc1``'s weight or bias, or its adapter's ``linear_out`` (which adds to its rows)."""
+    adapter = adapter_of(name)
+    if adapter is not None:
+        return adapter[1] == "linear_out" and is_gated_fc1(adapter[0], gated)
     return gated and name.endswith(_FC1)
 
 

@@ -68,6 +68,16 @@ class ExpertLinear(nn.Module):
                 )
         self.suffixes = [suffix for suffix, _ in names]
         self.has_bias = bias
+        self.config, self.etp = config, etp  # read by an adapter wrapping this layer (LoRA)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int] | None = None, add_bias: bool = True):
+        """``x`` (rows sorted by expert) times each local expert's ``weight.T``, plus its bias when
+        ``add_bias`` (fc2's is added by the caller, scaled by the routing probability). One expert's
+        layer (SequentialMLP's) is a plain GEMM. A module call, so an adapter can wrap it."""
+        biases = self.biases() if add_bias else None
+        if self.suffixes == [""]:
+            return F.linear(x, self.weight.to(x.dtype), biases[0].to(x.dtype) if biases else None)
+        return grouped_linear(x, self.weights(), biases, tokens_per_expert)
 
     def weights(self) -> list[nn.Parameter]:
         return [getattr(self, f"weight{s}") for s in self.suffixes]
@@ -100,12 +110,15 @@ class GroupedLinear(torch.autograd.Function):
     """``x`` (rows sorted by expert) times each expert's ``weight.T``. Saves the input and the weights
     themselves, not the stacked copy a grouped GEMM reads: that copy lives for one GEMM, in forward and
     again in backward (autograd would otherwise keep a copy of every local expert's weights per layer
-    and microbatch until backward)."""
+    and microbatch until backward). Computes only the gradients autograd needs: frozen weights (LoRA)
+    get no weight gradient and their input is not kept for one; an input that needs no gradient
+    gets none."""
 
     @staticmethod
     def forward(ctx, x, rows, *weights):
         ctx.rows = rows
-        ctx.save_for_backward(x, *weights)
+        ctx.wgrad = any(ctx.needs_input_grad[2:])
+        ctx.save_for_backward(x if ctx.wgrad else None, *weights)
         ws = [w.to(x.dtype) for w in weights]
         if sum(rows) == 0:
             return x.new_zeros((0, ws[0].size(0)))
@@ -117,18 +130,26 @@ class GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, *weights = ctx.saved_tensors
         rows, grad = ctx.rows, grad.contiguous()
+        dgrad, wgrads = ctx.needs_input_grad[0], ctx.needs_input_grad[2:]
         ws = [w.to(grad.dtype) for w in weights]
         if sum(rows) == 0:  # no token reached these experts: nothing to multiply (grouped_mm's
             # kernels reject, or on some GPUs mishandle, all-empty groups)
-            return torch.zeros_like(x), None, *(torch.zeros_like(w) for w in weights)
-        if _grouped(grad, ws[0], x):
+            grad_x = grad.new_zeros((0, ws[0].size(1))) if dgrad else None
+            return grad_x, None, *(torch.zeros_like(w) if need else None for w, need in zip(weights, wgrads))
+        grad_x, grad_w = None, [None] * len(weights)
+        if _grouped(grad, ws[0]) and (x is None or _aligned(x)):
             offsets = _offsets(rows, grad.device)
-            grad_x = F.grouped_mm(grad, torch.stack(ws), offs=offsets)
-            grad_w = F.grouped_mm(grad.t().contiguous(), x, offs=offsets).unbind(0)  # [experts, out, in]
+            if dgrad:
+                grad_x = F.grouped_mm(grad, torch.stack(ws), offs=offsets)
+            if ctx.wgrad:
+                grad_w = F.grouped_mm(grad.t().contiguous(), x, offs=offsets).unbind(0)  # [experts, out, in]
         else:
-            grad_x = torch.cat([g @ w for g, w in zip(grad.split(rows), ws, strict=True)])
-            grad_w = [g.t() @ part for g, part in zip(grad.split(rows), x.split(rows), strict=True)]
-        return grad_x, None, *(g.to(w.dtype) for g, w in zip(grad_w, weights, strict=True))
+            if dgrad:
+                grad_x = torch.cat([g @ w for g, w in zip(grad.split(rows), ws, strict=True)])
+            if ctx.wgrad:
+                grad_w = [g.t() @ part for g, part in zip(grad.split(rows), x.split(rows), strict=True)]
+        grad_w = [g.to(w.dtype) if need else None for g, w, need in zip(grad_w, weights, wgrads, strict=True)]
+        return grad_x, None, *grad_w
 
 
 def grouped_linear(x: torch.Tensor, weights, biases, tokens_per_expert: list[int]) -> torch.Tensor:
@@ -236,10 +257,10 @@ class TEGroupedMLP(_ExpertsBase):
     def forward(
         self, hidden: torch.Tensor, tokens_per_expert: list[int], probs: torch.Tensor
     ) -> torch.Tensor:
-        fc1 = grouped_linear(hidden, self.linear_fc1.weights(), self.linear_fc1.biases(), tokens_per_expert)
+        fc1 = self.linear_fc1(hidden, tokens_per_expert)
         intermediate = self.activation(fc1, probs)
         # fc2's bias is scaled by the probability too: the whole expert output is weighted.
-        out = grouped_linear(intermediate, self.linear_fc2.weights(), None, tokens_per_expert)
+        out = self.linear_fc2(intermediate, tokens_per_expert, add_bias=False)
         if self.linear_fc2.has_bias:
             bias = bias_rows(self.linear_fc2.biases(), tokens_per_expert, out)
             out = out + bias * probs.unsqueeze(-1).to(out.dtype)
@@ -273,11 +294,9 @@ class SequentialMLP(_ExpertsBase):
         for expert, x, p in zip(
             self.local_experts, hidden.split(tokens_per_expert), probs.split(tokens_per_expert)
         ):
-            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-            intermediate = self.activation(
-                F.linear(x, fc1.weight.to(x.dtype), fc1.bias.to(x.dtype) if fc1.has_bias else None), p
-            )
-            out = F.linear(intermediate, fc2.weight.to(x.dtype))
+            fc2 = expert.linear_fc2
+            intermediate = self.activation(expert.linear_fc1(x), p)
+            out = fc2(intermediate, add_bias=False)
             if fc2.has_bias:
                 out = out + fc2.bias.to(out.dtype) * p.unsqueeze(-1).to(out.dtype)
             outputs.append(out)

@@ -4,8 +4,8 @@ Python API alike. Each raises ConfigError naming the flag and the fix. (The size
 are range-checked before anything, the other ranges here, after upstream's own checks.)
 
 ``general``: features not built yet, values that must agree, the loggers; ``data``: the data and
-tokenizer files; ``moe``: the mixture-of-experts options; ``layout``: the parallel layout (the expert
-grid included) and layer split; ``architecture``: the model's shape; ``activation_levers``:
+tokenizer files; ``moe``: the mixture-of-experts options; ``peft``: LoRA fine-tuning; ``layout``: the
+parallel layout (the expert grid included) and layer split; ``architecture``: the model's shape; ``activation_levers``:
 recomputation and the other activation-memory flags.
 """
 
@@ -18,6 +18,7 @@ from megatron_lite.training.config.validate.data import check_data
 from megatron_lite.training.config.validate.general import check_logger, check_ranges, check_supported
 from megatron_lite.training.config.validate.layout import check_deferred_wgrad, check_divisibility
 from megatron_lite.training.config.validate.moe import check_moe
+from megatron_lite.training.config.validate.peft import check_peft
 
 CHECKS = (
     check_supported,
@@ -25,6 +26,7 @@ CHECKS = (
     check_config_ranges,
     check_ranges,
     check_moe,
+    check_peft,
     check_divisibility,
     check_deferred_wgrad,
     check_architecture,

@@ -126,7 +126,6 @@ def check_supported(cfg) -> None:
         check_supported_precision(cfg.mixed_precision)
     for name in (
         "comm_overlap",
-        "peft",
         "ft",
         "straggler",
         "nvrx_straggler",

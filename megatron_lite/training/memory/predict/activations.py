@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from megatron_lite.core.fusions.fused_bias_swiglu import fuses
 from megatron_lite.core.transformer.dot_product_attention import keeps_probabilities
+from megatron_lite.training.memory.predict.lora import lora_layer_saves, lora_of, output_adapter_saves
 from megatron_lite.training.memory.predict.moe import is_moe, moe_mlp_saves
 
 
@@ -29,6 +30,7 @@ class Shape:
     m: object  # the GPTModelProvider
     routing: str = "balanced"  # a MoE layer's token counts when the config leaves them open (predict/moe.py)
     device: str = "cpu"  # whose kernels: attention with dropout keeps its probabilities on the CPU only
+    lora: object = None  # the run's LoRA (predict/lora/): frozen base weights, adapters
 
 
 def make_shape(config, routing: str = "balanced", device_type: str = "cpu") -> Shape:
@@ -39,8 +41,9 @@ def make_shape(config, routing: str = "balanced", device_type: str = "cpu") -> S
     seq = m.seq_length
     batch = config.train.micro_batch_size
     return Shape(
-        tokens, norm_tokens, seq, seq // m.context_parallel_size, batch, elt, m, routing, device_type
-    )
+        tokens, norm_tokens, seq, seq // m.context_parallel_size, batch, elt, m, routing, device_type,
+        lora_of(config),
+    )  # fmt: skip
 
 
 def _rotary_dim(m) -> int:
@@ -97,10 +100,20 @@ def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
     return inputs, core, out
 
 
-def layer_saves(x: Shape, selective: bool = True, moe: bool = False) -> dict[str, int]:
+def layer_saves(
+    x: Shape, selective: bool = True, moe: bool = False, local_index: int = 0, grad_in: bool = True
+) -> dict[str, int]:
     """Every storage one layer saves in one microbatch's forward; with ``selective`` (and the config's
     selective recomputation) the checkpointed modules keep only their inputs. ``moe``: the layer's
-    MLP is a MoE layer (predict/moe.py), for the Shape's routing."""
+    MLP is a MoE layer (predict/moe.py), for the Shape's routing. With LoRA (predict/lora/), for
+    the layer at ``local_index`` in its chunk, whose input requires a gradient unless not ``grad_in``."""
+    saves = _base_layer_saves(x, selective, moe)
+    if x.lora is None:
+        return saves
+    return lora_layer_saves(x, saves, local_index, grad_in, moe)[0]
+
+
+def _base_layer_saves(x: Shape, selective: bool, moe: bool) -> dict[str, int]:
     m, t, tn, e, h = x.m, x.tokens, x.norm_tokens, x.elt, x.m.hidden_size
     tp = m.tensor_model_parallel_size
     sel = m.recompute_granularity == "selective" and selective
@@ -159,8 +172,10 @@ def selective_backward_extra(x: Shape) -> int:
 
 def embedding_saves(x: Shape) -> int:
     """The first chunk's embedding: the token ids (with tp > 1 their local copy and the out-of-range
-    mask), the position ids for learned positions."""
+    mask), the position ids for learned positions; nothing with LoRA's frozen embedding."""
     m, t = x.m, x.tokens
+    if x.lora is not None:
+        return 0
     saves = t * 8 + (t if m.tensor_model_parallel_size > 1 else 0)
     return saves + (t * 8 if m.position_embedding_type == "learned_absolute" else 0)
 
@@ -184,6 +199,8 @@ def loss_saves(x: Shape) -> int:
 def output_saves(x: Shape) -> int:
     """The last chunk's final norm, the output layer's input, and the loss's saves."""
     norm = sum(_norm_saves(x, "final_layernorm").values())
+    if x.lora is not None:  # a frozen output layer keeps no input; its adapter, if any, does
+        return norm + sum(output_adapter_saves(x).values()) + loss_saves(x)
     return norm + x.norm_tokens * x.m.hidden_size * x.elt + loss_saves(x)
 
 
@@ -224,23 +241,33 @@ def _recompute_units(layers: int, m) -> tuple[list[list[int]], int]:
     return [[i] for i in range(recomputed)], layers - recomputed
 
 
-def chunk_layer_bytes(x: Shape, layers: int, offset: int = 0) -> list[int]:
+def chunk_layer_bytes(x: Shape, layers: int, offset: int = 0, first: bool = False) -> list[int]:
     """What each of a chunk's layers (global indices from ``offset``) saves per microbatch: a MoE
-    layer's routed part for the Shape's routing."""
+    layer's routed part for the Shape's routing; ``first``: the model's first chunk (its input, the
+    embedding's output, needs no gradient when LoRA froze the embedding)."""
     kinds = [is_moe(x.m, i) for i in range(offset, offset + layers)]
-    return [round(sum(layer_saves(x, moe=moe).values())) for moe in kinds]
+    if x.lora is None:
+        return [round(sum(layer_saves(x, moe=moe).values())) for moe in kinds]
+    # LoRA on the first chunk: nothing requires a gradient before the first adapter.
+    grad, out = not first, []
+    for i, moe in enumerate(kinds):
+        saves, grad = lora_layer_saves(x, _base_layer_saves(x, True, moe), i, grad, moe)
+        out.append(round(sum(saves.values())))
+    return out
 
 
 def chunk_activations(x: Shape, layers: int, pre: bool, post: bool, offset: int = 0) -> ChunkActivations:
     """Kept and backward-peak bytes of one microbatch through a chunk of ``layers`` layers (global
     indices from ``offset``), with the embedding (``pre``) and the output layer and loss (``post``)."""
     m = x.m
-    per_layer = chunk_layer_bytes(x, layers, offset)
+    per_layer = chunk_layer_bytes(x, layers, offset, first=pre)
     emb = embedding_saves(x) if pre else 0
     out = output_saves(x) if post else 0
     # Under SP the first layer on the first stage saves a view of the whole embedding output (the
     # scatter's chunk is contiguous, so no copy is made): the full sequence's storage stays alive.
+    # With LoRA that norm keeps nothing (the frozen embedding's output needs no gradient).
     sp_first = (x.tokens - x.norm_tokens) * m.hidden_size * x.elt if pre and m.sequence_parallel else 0
+    sp_first = 0 if x.lora is not None else sp_first
     if m.recompute_granularity != "full" or layers == 0:
         kept = emb + (sp_first if layers else 0) + sum(per_layer) + out
         peak = kept

@@ -15,7 +15,22 @@ from dataclasses import dataclass
 
 from megatron_lite.core.transformer.transformer_block import get_num_layers_to_build
 from megatron_lite.core.transformer.transformer_layer import get_transformer_layer_offset
-from megatron_lite.training.memory.predict.moe import expert_data_parallel_size, is_moe, moe_mlp_parameters
+from megatron_lite.training.memory.predict.lora import (
+    COLUMN,
+    Linear,
+    adapter_parameters,
+    dense_linears,
+    expert_adapter_dim,
+    is_adapted,
+    lora_of,
+    moe_linears,
+)
+from megatron_lite.training.memory.predict.moe import (
+    expert_data_parallel_size,
+    expert_sizes,
+    is_moe,
+    moe_mlp_parameters,
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +43,7 @@ class ParamSpec:
     ndim: int
     shared_embedding: bool = False
     expert: bool = False  # a routed expert's: in the expert buffer, sharded over expert data parallelism
+    trainable: bool = True  # False: a base weight LoRA froze (no gradient buffer, no optimizer state)
 
 
 def _norm(prefix: str, m) -> list[ParamSpec]:
@@ -68,6 +84,25 @@ def _layer(prefix: str, m, index: int = 0) -> list[ParamSpec]:
     ]
 
 
+def _with_adapters(specs: list[ParamSpec], m, index: int, local_prefix: str, lora) -> list[ParamSpec]:
+    """LoRA: the layer's base parameters frozen, and each adapted linear's adapter (trainable) after
+    its base's parameters, in the module's registration order."""
+    local, etp, _ = expert_sizes(m) if m.num_moe_experts else (1, 1, 1)
+    linears = dense_linears(m)[:2] + moe_linears(m, local, etp) if is_moe(m, index) else dense_linears(m)
+    out = [_frozen(p) for p in specs]
+    for linear in linears:
+        if not is_adapted(lora, f"{local_prefix}.{linear.path}"):
+            continue
+        stem = f"{specs[0].name.rsplit('.input_layernorm', 1)[0]}.{linear.path}"
+        # After the last of the base linear's own parameters (a grouped expert linear's: the last one).
+        last = max((i for i, p in enumerate(out) if p.name.startswith(stem + ".")), default=len(out) - 1)
+        grouped = linear.expert and m.moe_grouped_gemm
+        stacked = local if grouped and not getattr(lora, "share_expert_adapters", True) else 1
+        dim = expert_adapter_dim(lora, m, linear)
+        out[last + 1 : last + 1] = adapter_parameters(stem, linear, dim, ParamSpec, stacked)
+    return out
+
+
 def chunk_bounds(m, pp_rank: int, vp_stage: int) -> tuple[bool, bool]:
     """(holds the embedding, holds the final norm and output layer) for chunk ``vp_stage`` of
     ``pp_rank``: chunk 0 of the first rank, the last chunk of the last rank."""
@@ -76,9 +111,10 @@ def chunk_bounds(m, pp_rank: int, vp_stage: int) -> tuple[bool, bool]:
     return vp_stage == 0 and pp_rank == 0, vp_stage == vp - 1 and pp_rank == pp - 1
 
 
-def chunk_parameters(m, pp_rank: int, vp_stage: int) -> list[ParamSpec]:
+def chunk_parameters(m, pp_rank: int, vp_stage: int, lora=None) -> list[ParamSpec]:
     """The parameters chunk ``vp_stage`` of pipeline rank ``pp_rank`` builds (``m`` a
-    GPTModelProvider), in the model's registration order, with tensor-parallel rank 0's sizes."""
+    GPTModelProvider), in the model's registration order, with tensor-parallel rank 0's sizes; with
+    ``lora`` (predict/lora/) the base frozen and the adapters added."""
     tp, h = m.tensor_model_parallel_size, m.hidden_size
     vocab = m.padded_vocab_size // tp
     pre, post = chunk_bounds(m, pp_rank, vp_stage)
@@ -92,12 +128,24 @@ def chunk_parameters(m, pp_rank: int, vp_stage: int) -> list[ParamSpec]:
     num_layers = get_num_layers_to_build(m, vp_stage, pp_rank)
     offset = get_transformer_layer_offset(m, vp_stage, pp_rank)
     for i in range(offset, offset + num_layers):
-        specs += _layer(f"decoder.layers.{i}", m, i)
+        layer = _layer(f"decoder.layers.{i}", m, i)
+        # LoRA matches the chunk's own module path: its layers are numbered from 0.
+        specs += _with_adapters(layer, m, i, f"decoder.layers.{i - offset}", lora) if lora else layer
     if post:
         specs += _norm("decoder.final_layernorm", m)
         if not (tied and pre):  # tied on one stage: the output layer reuses the embedding's weight
             specs.append(ParamSpec("output_layer.weight", vocab * h, 2, tied))
+    if lora is None:
+        return specs
+    specs = [p if p.name.startswith("decoder.layers.") else _frozen(p) for p in specs]
+    if post and is_adapted(lora, "output_layer"):
+        out = Linear("output_layer", COLUMN, h, m.padded_vocab_size, tp)
+        specs += adapter_parameters("output_layer", out, lora.dim, ParamSpec)
     return specs
+
+
+def _frozen(p: ParamSpec) -> ParamSpec:
+    return ParamSpec(p.name, p.numel, p.ndim, p.shared_embedding, p.expert, trainable=False)
 
 
 @dataclass(frozen=True)
@@ -178,19 +226,24 @@ def param_memory(config, pp_rank: int, dp_rank: int = 0) -> dict[str, int]:
     distributed optimizer's shard, rank ``dp_rank`` of dp x cp), summed over its chunks, plus
     ``parameters`` (their element count) and, for the optimizer step's scratch, ``largest_piece`` and
     ``total_pieces`` (elements of the largest and of all the parameters or shard pieces AdamW updates)
-    and ``cloned_grads`` (elements whose fp32 gradient the plain optimizer copies for bf16 masters)."""
+    and ``cloned_grads`` (elements whose fp32 gradient the plain optimizer copies for bf16 masters);
+    with LoRA ``adapter_weights_bytes`` (the trainable adapters' share of the weights: the gradient
+    buffers and optimizer state are theirs alone)."""
     m = config.model
     vp = m.virtual_pipeline_model_parallel_size or 1
     low_precision = _dtype_bytes(m) != 4
-    weights = grads = optimizer = params = largest = total = 0
+    weights = grads = optimizer = params = largest = total = adapters = 0
+    lora = lora_of(config)
     for vp_stage in range(vp):
-        specs = chunk_parameters(m, pp_rank, vp_stage)
+        specs = chunk_parameters(m, pp_rank, vp_stage, lora)
         params += sum(p.numel for p in specs)
         weights += sum(p.numel for p in specs) * _dtype_bytes(m)
+        adapters += sum(p.numel for p in specs if p.trainable) * _dtype_bytes(m) if lora else 0
         pieces = []
-        # DDP's buffers: the dense parameters', then (MoE) the routed experts' over expert-dp.
+        # DDP's buffers (trainable parameters only: LoRA's frozen base has none): the dense
+        # parameters', then (MoE) the routed experts' over expert-dp.
         for expert in (False, True):
-            kind = [p for p in specs if p.expert == expert]
+            kind = [p for p in specs if p.expert == expert and p.trainable]
             if not kind:
                 continue
             dp = expert_data_parallel_size(config) if expert else _dp_cp(config)
@@ -212,4 +265,5 @@ def param_memory(config, pp_rank: int, dp_rank: int = 0) -> dict[str, int]:
         "weights_bytes": weights,
         "grads_bytes": grads,
         "optimizer_state_bytes": optimizer,
+        "adapter_weights_bytes": adapters,
     }

@@ -68,6 +68,11 @@ interleaved: upstream's schedule table and warmup), adding a chunk-microbatch's 
 forward and releasing them at its backward; the peak is the maximum over the step, including each
 backward's recomputation.
 
+LoRA (``config.peft``, predict/lora/): the frozen base keeps its weights only (no gradient buffer,
+master or optimizer state: those are the adapters' alone), a frozen linear keeps no input, each adapter
+keeps its input and low-rank activation, and nothing before the first adapter of the first stage is
+saved; linear_fc2's backward then holds the base's and the adapter's input gradients and their sum.
+
 The allocated peak (``peak_bytes``, beside the measured ``mem-max-allocated``): the static bytes plus the
 larger of two instants' dynamic bytes: the schedule's largest instant of saves in flight plus the
 temporaries of the op then running (``step_bytes``, temporaries.py), and the optimizer step's scratch
@@ -143,6 +148,13 @@ class StageMemoryPrediction:
     """The saved activations at the instant of ``step_bytes``."""
     optimizer_step_bytes: int = 0
     """The optimizer step's scratch beyond the static bytes."""
+    adapter_weights_bytes: int = 0
+    """LoRA: the adapters' weights (part of ``weights_bytes``; the rest is the frozen base, which has
+    no gradient buffer and no optimizer state: ``grads_bytes`` and ``optimizer_state_bytes`` are the
+    adapters')."""
+    adapter_activation_bytes_per_layer_microbatch: int = 0
+    """LoRA: what one layer's adapters save for one microbatch (part of
+    ``activation_bytes_per_layer_microbatch``, which also lacks the inputs frozen linears no longer keep)."""
     activation_bytes_worst: int = 0
     """MoE without padding to capacity: ``activation_bytes`` if every token of the expert group went to
     this rank's experts (an upper bound; ``activation_bytes`` is then balanced routing's). 0 when the
@@ -182,7 +194,9 @@ def predict_memory_per_stage(
     pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
     group = m.microbatch_group_size_per_vp_stage or pp
     x = make_shape(config, routing, device_type)
-    per_layer = sum(layer_saves(x).values())
+    saves = layer_saves(x)
+    per_layer = sum(saves.values())
+    adapter_saves = sum(v for k, v in saves.items() if ".adapter." in k)
     stages = []
     for rank in range(pp):
         chunks, transients = [], []
@@ -220,6 +234,8 @@ def predict_memory_per_stage(
                 saved_at_step_peak_bytes=saved_then,
                 optimizer_step_bytes=scratch,
                 activation_bytes_worst=worst[rank].activation_bytes if worst else 0,
+                adapter_weights_bytes=params["adapter_weights_bytes"],
+                adapter_activation_bytes_per_layer_microbatch=adapter_saves,
             )
         )
     return stages
@@ -238,6 +254,7 @@ PREDICTED_KEYS = {
 
 
 WORST_ACTIVATION_KEY = "predicted-max-activation-worst-gigabytes"
+ADAPTER_WEIGHTS_KEY = "predicted-adapter-weights-gigabytes"
 
 
 def predicted_memory_metrics(predictions: list[StageMemoryPrediction]) -> dict[str, float]:
@@ -248,6 +265,9 @@ def predicted_memory_metrics(predictions: list[StageMemoryPrediction]) -> dict[s
         for p in predictions
         for attr, name in PREDICTED_KEYS.items()
     }
+    for p in predictions:  # LoRA: the adapters' share of the weights
+        if p.adapter_weights_bytes:
+            metrics[f"memory/pp-stage-{p.pp_rank}/{ADAPTER_WEIGHTS_KEY}"] = gigabytes(p.adapter_weights_bytes)
     for p in predictions:  # MoE with open routing: the worst routing's bound beside balanced's
         if p.activation_bytes_worst:
             metrics[f"memory/pp-stage-{p.pp_rank}/{WORST_ACTIVATION_KEY}"] = gigabytes(

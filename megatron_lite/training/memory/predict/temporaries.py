@@ -17,7 +17,10 @@ sequence parallelism, V' = V / tp, f = the MLP's fc2 width per TP rank, element 
 - a layer's backward, which starts with linear_fc2's: the output gradient t' h e (received from the
   next stage, or the final norm's), gathered under SP (t h e), the input gradient t f e and the weight
   gradient h f e (as the output layer's with fusion, except a MoE layer's experts, which do not fuse),
-  beside everything the chunk saved;
+  beside everything the chunk saved; a MoE layer's grouped experts' fc2 holds its R routed rows'
+  output gradient twice (and transposed), their input gradient R f e and every local expert's weight
+  gradient (frozen experts: no weight gradient, the stacked weights instead); with LoRA
+  (predict/lora/) the frozen base's input gradient, the adapter's and their sum;
 - the optimizer step, with no activations: get_grad_norm_fp32's fp64 copy of one gradient at a time
   (8 bytes an element of the largest parameter or distributed-optimizer shard piece), AdamW's
   sqrt(exp_avg_sq) and its quotient (two fp32 copies of the largest parameter with PyTorch's
@@ -50,6 +53,12 @@ from megatron_lite.training.memory.predict.activations import (
     loss_saves,
     vocab_per_rank,
 )
+from megatron_lite.training.memory.predict.lora import (
+    experts_fc2_adapted,
+    lora_fc2_backward_extra,
+    lora_fc2_released,
+)
+from megatron_lite.training.memory.predict.moe import expert_sizes, routed_rows
 
 
 def loss_forward_extra(x: Shape) -> int:
@@ -120,10 +129,32 @@ def layer_backward_extra(x: Shape) -> int:
     m, t, e, h = x.m, x.tokens, x.elt, x.m.hidden_size
     f = m.ffn_hidden_size // m.tensor_model_parallel_size
     grad_output = x.norm_tokens * h * e + (t * h * e if m.sequence_parallel else 0)
+    grouped = grouped_experts_backward_extra(x) if m.num_moe_experts and m.moe_grouped_gemm else 0
+    if x.lora is not None:
+        return grad_output + max(lora_fc2_backward_extra(x, f), grouped)
     # The routed experts' grouped GEMM returns weight-sized gradients, fusion or not.
     fused = m.gradient_accumulation_fusion and not m.num_moe_experts
     wgrad = fused_wgrad_extra(x, h, f, t) if fused else h * f * e
-    return grad_output + t * f * e + wgrad
+    return grad_output + max(t * f * e + wgrad, grouped)
+
+
+def grouped_experts_backward_extra(x: Shape) -> int:
+    """The routed experts' fc2 backward (grouped GEMM, measured on CPU). Trainable weights: at the
+    weight gradient, the rows' output gradient R h e and its transposed copy, the input gradient
+    R f e and the local experts' weight gradients E_l h f e. Frozen ones (LoRA: no weight gradient
+    is computed): at the input gradient, the rows' output gradient R h e, the stacked weights the
+    grouped GEMM reads E_l h f e and the input gradient R f e; with an adapter on the experts' fc2
+    its input gradient R f e beside them (the adapter's backward runs first)."""
+    m, e, h = x.m, x.elt, x.m.hidden_size
+    local, etp, _ = expert_sizes(m)
+    f = m.moe_ffn_hidden_size // etp
+    rows, _ = routed_rows(m, x.norm_tokens, x.routing)
+    if x.lora is None:
+        return round(2 * rows * h * e + rows * f * e + local * h * f * e)
+    extra = rows * h * e + local * h * f * e + rows * f * e
+    if experts_fc2_adapted(x):
+        extra += rows * f * e
+    return round(extra)
 
 
 @dataclass(frozen=True)
@@ -138,8 +169,12 @@ class ChunkTransients:
 
 def chunk_transients(x: Shape, chunk: ChunkActivations, post: bool) -> ChunkTransients:
     layer = layer_backward_extra(x) if chunk.layers else 0
+    # LoRA: linear_fc2's adapter has released what it saved by the instant its gradients add up.
+    released = lora_fc2_released(x) if chunk.layers and x.lora is not None else 0
     if not post:
-        return ChunkTransients((chunk.kept, chunk.kept), (chunk.peak + layer, chunk.peak))
+        return ChunkTransients(
+            (chunk.kept, chunk.kept), (chunk.peak + layer - released, chunk.peak - released)
+        )
     fused = x.m.cross_entropy_loss_fusion
     before_loss = chunk.kept - loss_saves(x)
     loss_extra = fused_loss_forward_extra(x) if fused else loss_forward_extra(x)
@@ -150,7 +185,8 @@ def chunk_transients(x: Shape, chunk: ChunkActivations, post: bool) -> ChunkTran
         output = (chunk.kept + fused_output_backward_extra(x), chunk.kept)
     else:
         output = (chunk.kept + output_backward_extra(x), before_loss)  # the softmax is the gradient now
-    return ChunkTransients(forward, max(output, (after_output + layer, after_output)))
+    layer_instant = (after_output + layer - released, after_output - released)
+    return ChunkTransients(forward, max(output, layer_instant))
 
 
 def optimizer_step_extra(
