@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_lite.core import parallel_state
+from megatron_lite.core.packed_seq_params import PackedSeqParams, thd_partitioned_indices
 from megatron_lite.core.process_group_utils import (  # noqa: F401 (upstream's names here)
     collective_backend,
     fake_world_backend,
@@ -72,6 +74,49 @@ def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_rank: int, cp_s
         index = cp_positions(value.size(1), cp_rank, cp_size, device=value.device)
         out[key] = value.index_select(1, index)
     return out
+
+
+def _is_thd_metadata(key: str) -> bool:
+    """Keys of a packed batch that stay whole under CP: the global boundaries and the mask."""
+    return key.startswith(("cu_seqlens", "max_seqlen")) or key == "attention_mask"
+
+
+def get_thd_batch_on_this_cp_rank(
+    batch: dict,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    max_seqlen,
+    cp_size: int | None = None,
+    cp_rank: int | None = None,
+):
+    """A packed batch (one row) sliced to this CP rank: chunks ``r`` and ``2 cp - 1 - r`` of every
+    example (each padded to a multiple of ``2 cp``), megatron-core's signature. Every [b, s, ...]
+    tensor is sliced; the boundaries (``cu_seqlens*``, ``max_seqlen*``) stay whole, being global.
+    Returns the batch and its ``PackedSeqParams``."""
+    max_seqlen = int(max_seqlen.reshape(-1)[0]) if torch.is_tensor(max_seqlen) else int(max_seqlen)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
+    cp_size = parallel_state.get_context_parallel_world_size() if cp_size is None else cp_size
+    cp_rank = parallel_state.get_context_parallel_rank() if cp_rank is None else cp_rank
+    if cp_size > 1:
+        layout = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+        sequences = [
+            k for k, v in batch.items() if not _is_thd_metadata(k) and torch.is_tensor(v) and v.dim() > 1
+        ]
+        total = batch[sequences[0]].size(1)
+        index = thd_partitioned_indices(layout, total, cp_size, cp_rank)
+        batch = {
+            k: v.index_select(1, index.to(v.device)) if k in sequences and v.size(1) == total else v
+            for k, v in batch.items()
+        }
+    return batch, params
 
 
 def get_model_config(model: torch.nn.Module):

@@ -60,7 +60,9 @@ class GPTModelProvider(TransformerConfig):
     apply_rope_fusion: bool = False
     """Fused rotary embeddings (a CUDA kernel; not supported: False)."""
     calculate_per_token_loss: bool = False
-    """Scale gradients by the token count instead of the microbatch count (not supported yet: False)."""
+    """Sum the loss over tokens and divide the gradients by the global batch's loss-token count (instead of
+    averaging each microbatch's mean), so every loss token weighs the same: SFT packs give each example the
+    loss it gets alone."""
     share_embeddings_and_output_weights: bool = True
     """Tie the output layer to the word embedding."""
     deallocate_pipeline_outputs: bool = True

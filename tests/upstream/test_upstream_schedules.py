@@ -351,8 +351,12 @@ def test_finalize_model_grads_syncs_each_chunk():
     pgc = ProcessGroupCollection()
     finalize_model_grads(chunks, None, pg_collection=pgc, force_all_reduce=True)
     assert synced == [(0, True), (1, True)]
-    with pytest.raises(NotImplementedError, match="per_token"):
-        finalize_model_grads(chunks, torch.tensor(3), pg_collection=pgc)
+    # Per-token loss: each chunk's gradients divided by the step's token count (one process: its own).
+    scaled = []
+    for chunk in chunks:
+        chunk.scale_gradients = scaled.append
+    finalize_model_grads(chunks, torch.tensor(4), pg_collection=pgc)
+    assert [float(s) for s in scaled] == [0.25, 0.25]
 
 
 def test_hyper_comm_grid_rank_enumeration(monkeypatch):

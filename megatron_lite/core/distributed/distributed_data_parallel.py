@@ -52,6 +52,9 @@ class DistributedDataParallel(nn.Module):
                 "layer's bucket would be reduced before its deferred weight gradients are added"
             )
         dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
+        # Per-token loss (as upstream): gradients are summed over ranks here and divided by the step's
+        # token count in finalize_model_grads, instead of averaged over dp.
+        scaling = 1.0 if getattr(config, "calculate_per_token_loss", False) else 1.0 / dp_size
         bucket_size = bucket_size or getattr(ddp_config, "bucket_size", None)
         if bucket_size is None:
             bucket_size = max(40_000_000, 1_000_000 * dp_size)  # upstream's default
@@ -67,7 +70,7 @@ class DistributedDataParallel(nn.Module):
                 dp_group=expt_dp_group if expert else dp_group,
                 bucket_size=bucket_size,
                 use_distributed_optimizer=self.use_distributed_optimizer,
-                gradient_scaling_factor=1.0 / dp_size,
+                gradient_scaling_factor=scaling,
             )
             for (expert, _), group in sorted(by_kind.items(), key=lambda kv: kv[0][0])
         ]
@@ -136,6 +139,12 @@ class DistributedDataParallel(nn.Module):
         started by the overlap hooks), as upstream."""
         for bucket in self.buckets:
             bucket.finish_grad_sync(force_all_reduce=bool(force_all_reduce))
+
+    def scale_gradients(self, scaling_factor) -> None:
+        """Multiply every gradient buffer by ``scaling_factor`` (a number or a 0-d tensor), in place:
+        finalize_model_grads' division by the step's tokens with per-token loss."""
+        for buffer in self.buffers:
+            buffer.grad_data.mul_(scaling_factor)
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """All-gather the parameter shards (distributed optimizer), asynchronously with

@@ -142,7 +142,11 @@ def forward_step(
         scale = torch.ones(1)
         if getattr(config, "grad_scale_func", None) is not None:
             scale = config.grad_scale_func(scale)
-        MoEAuxLossAutoScaler.set_loss_scale(scale * cp_group_size / num_microbatches)
+        if getattr(config, "calculate_per_token_loss", False):
+            # As upstream: unscaled here, divided by the step's tokens with every gradient.
+            MoEAuxLossAutoScaler.set_loss_scale(scale)
+        else:
+            MoEAuxLossAutoScaler.set_loss_scale(scale * cp_group_size / num_microbatches)
 
     num_tokens = torch.tensor(0, dtype=torch.int)
     if is_last_stage:

@@ -3,12 +3,14 @@ across CP ranks), optionally rotary-embedded and grouped-query (GQA)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from megatron_lite.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron_lite.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb, packed_rotary_pos_emb
+from megatron_lite.core.packed_seq_params import PackedSeqParams, physical_cu_seqlens
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.core.tensor_parallel.random import checkpoint
 from megatron_lite.core.tensor_parallel.utils import divide
@@ -55,6 +57,7 @@ class SelfAttention(nn.Module):
         self.groups_per_partition = divide(groups, tp_size)
         self.heads_per_group = divide(config.num_attention_heads, groups)
         self.core_attention = DotProductAttention(config.attention_dropout, cp_group)
+        self.cp_group = self.core_attention.cp_group  # None without context parallelism
         # Selective recomputation: keep q, k, v and recompute softmax(q k^T) v in backward.
         self.checkpoint_core_attention = (
             config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
@@ -82,8 +85,14 @@ class SelfAttention(nn.Module):
         )
 
     def forward(
-        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
+        """With ``packed_seq_params`` the row holds several examples: each attends to itself only and
+        is rotated by its own positions (``rotary_pos_emb`` then holds angles by position within an
+        example, as upstream's thd format: ``RotaryEmbedding(..., packed_seq=True)``)."""
         mixed, _ = self.linear_qkv(hidden_states)
         s, b = mixed.shape[:2]  # the whole (CP-local) sequence, also when the input was sequence-parallel
         # [s, b, groups, heads_per_group + 2, d] -> q [s, b, heads, d], k and v [s, b, groups, d]
@@ -92,6 +101,9 @@ class SelfAttention(nn.Module):
         q = q.reshape(s, b, self.heads_per_partition, self.head_dim)
         k, v = k.squeeze(3), v.squeeze(3)
         if rotary_pos_emb is not None:
+            if packed_seq_params is not None:  # once for q and k (upstream passes cu_seqlens to each)
+                cu = physical_cu_seqlens(packed_seq_params)
+                rotary_pos_emb = packed_rotary_pos_emb(rotary_pos_emb, cu, s, self.cp_group)
             q = apply_rotary_pos_emb(q, rotary_pos_emb, self.config)
             k = apply_rotary_pos_emb(k, rotary_pos_emb, self.config)
         if rotary_pos_emb is not None or self.heads_per_group > 1:
@@ -101,10 +113,12 @@ class SelfAttention(nn.Module):
             k, v = k.contiguous(), v.contiguous()
         # -> [b, heads, s, d] for the attention kernel
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        # The boundaries go in by closure: the checkpoint saves tensors only, and recomputes with them.
+        core_attention = functools.partial(self.core_attention, packed_seq_params=packed_seq_params)
         if self.checkpoint_core_attention and self.training:
-            context = checkpoint(self.core_attention, False, q, k, v)
+            context = checkpoint(core_attention, False, q, k, v)
         else:
-            context = self.core_attention(q, k, v)
+            context = core_attention(q, k, v)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_partition * self.head_dim)
         output, _ = self.linear_proj(context)
         return output

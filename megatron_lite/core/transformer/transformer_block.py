@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from megatron_lite.core import parallel_state
+from megatron_lite.core.packed_seq_params import PackedSeqParams
 from megatron_lite.core.tensor_parallel.random import checkpoint
 from megatron_lite.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_lite.core.transformer.pipeline_layer_split import pipeline_layer_counts
@@ -107,15 +108,16 @@ class TransformerBlock(nn.Module):
         final_norm = post_process and post_layer_norm
         self.final_layernorm = WrappedTorchNorm(config, config.hidden_size) if final_norm else None
 
-    def _run_layers(self, start: int, end: int):
+    def _run_layers(self, start: int, end: int, packed_seq_params: PackedSeqParams | None = None):
+        # The boundaries go in by closure (as upstream's custom forward): checkpoints save tensors only.
         def run(hidden_states, rotary_pos_emb):
             for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, rotary_pos_emb)
+                hidden_states = layer(hidden_states, rotary_pos_emb, packed_seq_params=packed_seq_params)
             return hidden_states
 
         return run
 
-    def _checkpointed_forward(self, hidden_states, rotary_pos_emb):
+    def _checkpointed_forward(self, hidden_states, rotary_pos_emb, packed_seq_params=None):
         """Full recomputation, Megatron's two methods over this stage's layers: ``uniform`` keeps only
         the input of each chunk of ``recompute_num_layers`` layers; ``block`` recomputes the first
         ``recompute_num_layers`` layers one by one and keeps the rest's activations."""
@@ -125,11 +127,11 @@ class TransformerBlock(nn.Module):
         distribute = c.distribute_saved_activations and not c.sequence_parallel
         if c.recompute_method == "uniform":
             for start in range(0, count, n):
-                run = self._run_layers(start, min(start + n, count))
+                run = self._run_layers(start, min(start + n, count), packed_seq_params)
                 hidden_states = checkpoint(run, distribute, hidden_states, rotary_pos_emb)
             return hidden_states
         for i in range(count):
-            run = self._run_layers(i, i + 1)
+            run = self._run_layers(i, i + 1, packed_seq_params)
             if i < n:
                 hidden_states = checkpoint(run, distribute, hidden_states, rotary_pos_emb)
             else:
@@ -141,12 +143,15 @@ class TransformerBlock(nn.Module):
         hidden_states: torch.Tensor,
         rotary_pos_emb: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
-        """``attention_mask`` (upstream's argument) is not read: megatron_lite's attention is causal."""
+        """``attention_mask`` (upstream's argument) is not read: megatron_lite's attention is causal,
+        within each example of a packed row when ``packed_seq_params`` is given."""
         if self.config.recompute_granularity == "full" and self.training:
-            hidden_states = self._checkpointed_forward(hidden_states, rotary_pos_emb)
+            hidden_states = self._checkpointed_forward(hidden_states, rotary_pos_emb, packed_seq_params)
         else:
-            hidden_states = self._run_layers(0, len(self.layers))(hidden_states, rotary_pos_emb)
+            run = self._run_layers(0, len(self.layers), packed_seq_params)
+            hidden_states = run(hidden_states, rotary_pos_emb)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from megatron_lite.core import parallel_state
+from megatron_lite.core.packed_seq_params import PackedSeqParams
 from megatron_lite.core.process_group_utils import get_pg_size
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
@@ -161,9 +162,15 @@ class TransformerLayer(nn.Module):
             return torch.native_dropout(x, p, True)[0]
 
     def forward(
-        self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        rotary_pos_emb: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
-        attention = self.self_attention(self.input_layernorm(hidden_states), rotary_pos_emb)
+        """``packed_seq_params``: the examples of a packed row (attention stays within each)."""
+        attention = self.self_attention(
+            self.input_layernorm(hidden_states), rotary_pos_emb, packed_seq_params=packed_seq_params
+        )
         hidden_states = hidden_states + self._dropout(attention)
         normed = self.pre_mlp_layernorm(hidden_states)
         if self.recompute_mlp and self.training:

@@ -8,12 +8,15 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megatron_lite.training.utils.packed_seq_utils import batches_carry_boundaries
+
 
 def _fake_batches(config, device):
     """The data loader's microbatches as fake tensors, made when read (under the tracker, as a real
     loader's are): one iterator, or one per model chunk with virtual pipeline stages."""
     b, s = config.train.micro_batch_size, config.model.seq_length
     mask = getattr(config.dataset, "create_attention_mask", False) and config.dataset.blend is not None
+    packed = batches_carry_boundaries(config)
 
     def batches():
         while True:
@@ -25,10 +28,30 @@ def _fake_batches(config, device):
             }
             if mask:
                 batch["attention_mask"] = torch.zeros(b, 1, s, s, dtype=torch.bool, device=device)
+            if packed:
+                batch.update(_fake_boundaries(b, s, getattr(config.dataset, "pad_seq_to_mult", None) or 1))
             yield batch
 
     vp = config.model.virtual_pipeline_model_parallel_size or 1
     return batches() if vp == 1 else [batches() for _ in range(vp)]
+
+
+def _fake_boundaries(b: int, s: int, multiple: int) -> dict:
+    """An SFT sample's boundaries (the loader's keys, dtypes and shapes) for the costliest pack: one
+    example as long as the row allows, the most attention a row can hold (sum of s_i^2), and a pad tail
+    of ``multiple`` positions (each example a multiple of it under CP / SP: the dataset's
+    pad_seq_to_mult), so every per-example op runs. Real tensors, host metadata as the loader's: the
+    model reads them on the host (a fake tensor has no values)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        cu_seqlens = torch.full((b, s + 2), -1, dtype=torch.int32)
+        cu_seqlens[:, :3] = torch.tensor([0, s - multiple, s], dtype=torch.int32)
+        return {
+            "cu_seqlens": cu_seqlens,
+            "cu_seqlens_argmin": torch.full((b,), 3, dtype=torch.long),
+            "max_seqlen": torch.full((b,), s - multiple, dtype=torch.int32),
+        }
 
 
 @contextlib.contextmanager

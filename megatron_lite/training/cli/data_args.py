@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
+from megatron_lite.training.cli.sft_args import sft_from_args
 from megatron_lite.training.config.data import GPTDatasetConfig, parse_blend
 from megatron_lite.training.errors import ConfigError
 
@@ -28,7 +29,10 @@ def uses_real_data(args: argparse.Namespace) -> bool:
 
 
 def prepare_dataset_section(args: argparse.Namespace, config) -> None:
-    """Before the flags are copied: real data gets a GPTDatasetConfig (the demo's section is mock)."""
+    """Before the flags are copied: real data gets a GPTDatasetConfig (the demo's section is mock), SFT
+    data (--sft) an SFTDatasetConfig."""
+    if sft_from_args(args, config):
+        return
     if not uses_real_data(args):
         return
     if args.mock_data:

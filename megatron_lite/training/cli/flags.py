@@ -69,6 +69,7 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
         "Selective recomputation (--recompute-granularity selective).",
     ),
     ("--cross-entropy-loss-fusion", "model", "cross_entropy_loss_fusion", "store_true", None),
+    ("--calculate-per-token-loss", "model", "calculate_per_token_loss", "store_true", None),
     ("--no-gradient-accumulation-fusion", "model", "gradient_accumulation_fusion", "store_false", None),
     ("--cross-entropy-fusion-impl", "model", "cross_entropy_fusion_impl", str, None),
     ("--cross-entropy-fusion-chunk-tokens", "model", "cross_entropy_fusion_chunk_tokens", int, None),
@@ -218,6 +219,21 @@ FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--eod-mask-loss", "dataset", "eod_mask_loss", "store_true", None),
     ("--reset-position-ids", "dataset", "reset_position_ids", "store_true", None),
     ("--reset-attention-mask", "dataset", "reset_attention_mask", "store_true", None),
+    # Supervised fine-tuning (Megatron-LM's --sft, Megatron-Bridge's packed sequences): sft_args.sft_from_args
+    # builds the SFTDatasetConfig section --data-path then names the files of; the other rows set its fields.
+    (
+        "--sft",
+        "dataset",
+        None,
+        "store_true",
+        "Supervised fine-tuning (Megatron-LM's): --data-path names JSONL of messages or input / output "
+        "pairs (or pack files of tools/prepare_sft_data.py); the loss is on the answers only.",
+    ),
+    ("--no-sft-packing", "dataset", "packing", "store_false", None),
+    ("--sft-packing-algorithm", "dataset", "packing_algorithm", str, None),
+    ("--sft-pad-seq-to-mult", "dataset", "pad_seq_to_mult", int, None),
+    ("--sft-truncation", "dataset", "truncation", str, None),
+    ("--no-sft-chat-template", "dataset", "use_chat_template", "store_false", None),
     ("--tokenizer-type", "tokenizer", "tokenizer_type", str, None),
     ("--tokenizer-model", "tokenizer", "tokenizer_model", str, None),
     ("--vocab-file", "tokenizer", "vocab_file", str, None),

@@ -25,6 +25,7 @@ from megatron_lite.training.cli.moe_args import moe_from_args
 from megatron_lite.training.cli.parallel_args import virtual_pipeline_from_args
 from megatron_lite.training.cli.peft_args import peft_from_args, peft_section
 from megatron_lite.training.cli.ranges import check_parsed_flags
+from megatron_lite.training.cli.sft_args import sft_section
 from megatron_lite.training.config import ConfigContainer, ConfigError
 from megatron_lite.training.config.profiling import ProfilingConfig
 
@@ -54,12 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     defaults = ConfigContainer()
     defaults.peft = peft_section()()  # the section --peft builds: its defaults are the --lora-* ones
+    sft_defaults = sft_section()()  # the section --sft builds: its defaults are the --sft-* ones
     groups: dict[str, argparse._ArgumentGroup] = {}
     metavars = {int: "N", float: "X", str: "S"}
     for flag, section, name, kind, help_text in FLAGS:
         group = groups.setdefault(section, parser.add_argument_group(f"{section} (config.{section})"))
+        owner = getattr(defaults, section)
+        if section == "dataset" and not hasattr(owner, name or "seq_length"):
+            owner = sft_defaults  # a field of the section --sft builds
         if help_text is None:  # written once, on the field (which a store_false flag turns off)
-            help_text = field_docs(type(getattr(defaults, section)))[name]
+            help_text = field_docs(type(owner))[name]
             help_text = f"Turns off: {help_text}" if kind == "store_false" else help_text
         dest = flag[2:].replace("-", "_")
         if kind in ("store_true", "store_false"):
@@ -77,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                 help=help_text,
             )
         else:
-            default = getattr(getattr(defaults, section), name) if name else None
+            default = getattr(owner, name) if name else None
             group.add_argument(
                 flag,
                 dest=dest,

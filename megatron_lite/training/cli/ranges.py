@@ -154,6 +154,7 @@ RANGES: dict[str, Range] = {
     "--end-weight-decay": NON_NEGATIVE,
     # Data and seeds
     "--num-workers": ZERO_OR_MORE,  # 0: load in the training process
+    "--sft-pad-seq-to-mult": ONE_OR_MORE,
     "--seed": Range(low=0, high=2**32 - 1),  # NumPy's seeds
     # Logging
     "--log-interval": ONE_OR_MORE,

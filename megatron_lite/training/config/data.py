@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from megatron_lite.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron_lite.core.datasets.gpt_dataset import GPTDatasetConfig as _CoreGPTDatasetConfig
 from megatron_lite.data.base import DataloaderConfig
+from megatron_lite.data.sft.config import SFTDatasetConfig  # noqa: F401  (--sft's section, re-exported)
 from megatron_lite.training.errors import ConfigError, UnexpectedFieldError, require
 
 

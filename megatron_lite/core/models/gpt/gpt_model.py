@@ -10,6 +10,7 @@ from megatron_lite.core.fusions.fused_linear_cross_entropy import output_layer_c
 from megatron_lite.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron_lite.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron_lite.core.models.gpt.sharded_tensors import gpt_sharded_state_dict
+from megatron_lite.core.packed_seq_params import PackedSeqParams, segment_boundaries
 from megatron_lite.core.process_group_utils import get_pg_rank, get_pg_size
 from megatron_lite.core.process_groups_config import ProcessGroupCollection
 from megatron_lite.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
@@ -193,18 +194,30 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ):
         """Returns the hidden states [s, b, h] on a non-last stage; on the last stage the per-token
-        loss [b, s] when ``labels`` are given, else the vocab-parallel logits [s, b, v/tp]."""
+        loss [b, s] when ``labels`` are given, else the vocab-parallel logits [s, b, v/tp].
+
+        ``packed_seq_params`` (upstream's, thd): the row (micro batch size 1) packs several examples
+        at its boundaries; every stage needs it (attention stays within each example, RoPE restarts
+        at each). ``position_ids`` should restart at each example too (learned positions read them)."""
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else self.input_tensor
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
             # The global sequence length: the input is split over CP ranks, and over TP ranks too
             # under sequence parallelism (attention sees the whole CP-local sequence).
             cp = self.pg_collection.cp if self.pg_collection is not None else None
-            total = get_pg_size(cp) * (get_pg_size(self.tp_group) if self.config.sequence_parallel else 1)
-            rotary_pos_emb = self.rotary_pos_emb(self.rotary_pos_emb.get_rotary_seq_len(hidden, total))
-        hidden = self.decoder(hidden, rotary_pos_emb)
+            sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
+            total = self.rotary_pos_emb.get_rotary_seq_len(hidden, get_pg_size(cp) * sp)
+            if packed_seq_params is None:
+                rotary_pos_emb = self.rotary_pos_emb(total)
+            else:
+                # Angles of positions up to the longest example; each token takes its own in attention.
+                bounds = segment_boundaries(packed_seq_params, total)
+                longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
+                rotary_pos_emb = self.rotary_pos_emb(longest, packed_seq=True)
+        hidden = self.decoder(hidden, rotary_pos_emb, packed_seq_params=packed_seq_params)
         if not self.post_process:
             return hidden
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None

@@ -4,9 +4,10 @@ Python API alike. Each raises ConfigError naming the flag and the fix. (The size
 are range-checked before anything, the other ranges here, after upstream's own checks.)
 
 ``general``: features not built yet, values that must agree, the loggers; ``data``: the data and
-tokenizer files; ``moe``: the mixture-of-experts options; ``peft``: LoRA fine-tuning; ``layout``: the
-parallel layout (the expert grid included) and layer split; ``architecture``: the model's shape; ``activation_levers``:
-recomputation and the other activation-memory flags.
+tokenizer files; ``moe``: the mixture-of-experts options; ``peft``: LoRA fine-tuning; ``sft``: the
+supervised fine-tuning data (checked last: it tokenizes every file); ``layout``: the parallel layout
+(the expert grid included) and layer split; ``architecture``: the model's shape;
+``activation_levers``: recomputation and the other activation-memory flags.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron_lite.training.config.validate.general import check_logger, check_r
 from megatron_lite.training.config.validate.layout import check_deferred_wgrad, check_divisibility
 from megatron_lite.training.config.validate.moe import check_moe
 from megatron_lite.training.config.validate.peft import check_peft
+from megatron_lite.training.config.validate.sft import check_sft
 
 CHECKS = (
     check_supported,
@@ -31,6 +33,7 @@ CHECKS = (
     check_deferred_wgrad,
     check_architecture,
     check_activation_levers,
+    check_sft,  # last but the loggers: it reads and tokenizes every file
     check_logger,
 )
 

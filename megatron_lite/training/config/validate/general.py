@@ -34,7 +34,6 @@ def check_supported(cfg) -> None:
         {
             "--fp16": m.fp16 or o.fp16,
             "--apply-rope-fusion": getattr(m, "apply_rope_fusion", False),
-            "--calculate-per-token-loss": getattr(m, "calculate_per_token_loss", False),
             "--use-precision-aware-optimizer": o.use_precision_aware_optimizer,
             "--decoupled-lr": o.decoupled_lr is not None,
             "--use-megatron-fsdp": d.use_megatron_fsdp or cfg.dist.use_megatron_fsdp,
@@ -61,6 +60,11 @@ def check_supported(cfg) -> None:
             "--reset-attention-mask",
             "is not supported yet by megatron_lite: its attention is causal over the whole sequence and "
             "takes no per-document mask (--reset-position-ids and --eod-mask-loss are supported)",
+        )
+    if getattr(m, "calculate_per_token_loss", False) and d.average_in_collective:
+        raise ConfigError(
+            "--calculate-per-token-loss",
+            "cannot average in the collective (ddp average_in_collective), as upstream",
         )
     if d.overlap_param_gather and not (d.use_distributed_optimizer or o.use_distributed_optimizer):
         raise ConfigError("--overlap-param-gather", "needs --use-distributed-optimizer (as upstream)")

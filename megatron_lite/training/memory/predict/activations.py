@@ -31,6 +31,7 @@ class Shape:
     routing: str = "balanced"  # a MoE layer's token counts when the config leaves them open (predict/moe.py)
     device: str = "cpu"  # whose kernels: attention with dropout keeps its probabilities on the CPU only
     lora: object = None  # the run's LoRA (predict/lora/): frozen base weights, adapters
+    packed: bool = False  # SFT rows with boundaries: attention example by example (packed_attention)
 
 
 def make_shape(config, routing: str = "balanced", device_type: str = "cpu") -> Shape:
@@ -42,8 +43,16 @@ def make_shape(config, routing: str = "balanced", device_type: str = "cpu") -> S
     batch = config.train.micro_batch_size
     return Shape(
         tokens, norm_tokens, seq, seq // m.context_parallel_size, batch, elt, m, routing, device_type,
-        lora_of(config),
+        lora_of(config), packed_attention(config),
     )  # fmt: skip
+
+
+def packed_attention(config) -> bool:
+    """Whether the run's rows reach attention with boundaries (gpt_step.get_batch: SFT rows one per micro
+    batch, or packs); rows of one example each at a larger micro batch run the whole-row attention."""
+    micro_batch_one = config.train.micro_batch_size == 1 or getattr(config.dataset, "packing", False)
+    # The dataset config's ``sft``, as training/utils/packed_seq_utils.batches_carry_boundaries reads it.
+    return bool(getattr(config.dataset, "sft", False)) and micro_batch_one
 
 
 def _rotary_dim(m) -> int:
@@ -92,12 +101,15 @@ def _attention_parts(x: Shape) -> tuple[dict, dict, dict]:
     # A fused kernel (the CPU's flash; CUDA's flash or memory-efficient one, which apply dropout inside
     # themselves): q, k, v, its output and the log-sum-exp (fp32).
     core = {**q, "logsumexp": t * heads * 4, **out}
+    # Packed rows: each example's kernel keeps its own output; linear_proj keeps its input, the [s, b, ·]
+    # copy of their concatenation (an unpacked row's output is that layout already, one storage).
+    proj = {"linear_proj.input": t * heads * d * e} if x.packed else out
     if cp > 1:  # gathered keys and values, and the positional mask as an additive float mask
         core.update({"k.gathered": b * groups * x.seq * d * e, "v.gathered": b * groups * x.seq * d * e})
         core["cp.mask"] = x.local_seq * x.seq * e
     else:
         core.update({**k, **v})
-    return inputs, core, out
+    return inputs, core, proj
 
 
 def layer_saves(

@@ -57,6 +57,17 @@ The counts are PyTorch's CPU kernels', which the tests measure byte for byte. On
 are saved except where dropout is on (CUDA's dropout keeps 1-byte masks, and its flash / efficient
 attention keeps an RNG state instead of the probabilities): not verified on a GPU yet.
 
+Packed SFT rows (--sft, one row per micro batch with its boundaries; activations.packed_attention):
+attention runs example by example (no s x s mask is built), each example's kernel keeping its q, k, v,
+output and log-sum-exp as the whole row's does, and linear_proj keeps its own input t a d e (the copy
+of the examples' concatenated outputs; a whole row's output is already its layout). With attention
+dropout the math path keeps sum_i s_i^2 scores per head where a whole row keeps s^2: predicted for one
+example filling the row, the costliest pack (the dry run's fake pack). RoPE takes each token's angle by
+its position in its example (a transient gather). The boundaries are host metadata; a middle stage now
+also reads its batch (left out, as the batch is). Not counted yet: under CP each example's own mask
+and key/value slices (0.1% of a stage at seq 64, cp 2, in the dry run), and what LoRA's linear_proj
+adapter reads on packed rows.
+
 --defer-embedding-wgrad-compute: the last stage also holds each deferred microbatch's output-layer
 input t'h e and output gradient t V/tp e until the pipeline flush (n gradients and n inputs for n
 deferred microbatches, n - 1 inputs when all are deferred: the saved peak counts the last one), in

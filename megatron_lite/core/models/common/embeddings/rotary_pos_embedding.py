@@ -5,7 +5,8 @@
 channels of each query / key head by them and passes the rest through (``rotary_percent`` < 1).
 Under context parallelism the angles are those of the rank's global positions (chunks ``r`` and
 ``2 cp - 1 - r``), so every layout rotates a token exactly as one process does. ``rope_scaling``
-slows the low frequencies as Llama 3.x does (``_apply_scaling``).
+slows the low frequencies as Llama 3.x does (``_apply_scaling``). A packed row (``packed_seq``) takes
+the angles of positions within each example instead (``rope_utils``, by its ``cu_seqlens``).
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ class RotaryEmbedding(nn.Module):
         return torch.where(is_medium, smoothed, scaled)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
-        """Angles of this rank's positions of a ``max_seq_len``-token sequence (the global length)."""
-        if packed_seq:
-            raise NotImplementedError("packed sequences are not supported by megatron_lite")
-        if self.cp_group is None:
+        """Angles of this rank's positions of a ``max_seq_len``-token sequence (the global length).
+        With ``packed_seq`` those of positions ``0..max_seq_len-1`` on every rank (upstream's thd
+        table): ``apply_rotary_pos_emb(..., cu_seqlens=...)`` picks each token's by its position within
+        its example."""
+        if packed_seq or self.cp_group is None:
             positions = torch.arange(max_seq_len, device=self.inv_freq.device) + offset
         else:
             cp_rank, cp_size = dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group)
