@@ -17,14 +17,11 @@ figure is asserted, but the padding packing removes is printed beside the issue'
 from __future__ import annotations
 
 import argparse
-import ast
-import json
 import os
 import re
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -32,63 +29,13 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import stdlib_corpus  # noqa: E402
+from stdlib_chats import write_conversations  # noqa: E402
 
 from megatron_lite.data.base import DatasetBuildContext  # noqa: E402
 from megatron_lite.data.sft.config import SFTDatasetConfig  # noqa: E402
 from megatron_lite.training.tokenizers import TokenizerConfig, build_tokenizer  # noqa: E402
 
-SYSTEM = "You document the Python standard library."
 MODEL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --micro-batch-size 1"
-
-
-def _public_functions(tree: ast.Module):
-    """``(qualified name, node)`` of a module's public functions and its public classes' public methods."""
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
-            yield node.name, node
-        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef) and not item.name.startswith("_"):
-                    yield f"{node.name}.{item.name}", item
-
-
-def write_conversations(path: str, limit: int) -> int:
-    """One conversation per documented public function and method of the standard library, in sorted
-    file order."""
-    root = sysconfig.get_paths()["stdlib"]
-    count = 0
-    with open(path + ".tmp", "w", encoding="utf-8") as out:
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(
-                d for d in dirnames if d not in ("site-packages", "test", "tests", "idlelib")
-            )
-            for name in sorted(n for n in filenames if n.endswith(".py")):
-                module = os.path.relpath(os.path.join(dirpath, name), root)[:-3].replace(os.sep, ".")
-                try:
-                    with open(os.path.join(dirpath, name), encoding="utf-8") as f:
-                        tree = ast.parse(f.read())
-                except (SyntaxError, UnicodeDecodeError, ValueError):
-                    continue
-                for qualname, node in _public_functions(tree):
-                    doc = ast.get_docstring(node)
-                    if not doc or len(doc) < 20:
-                        continue
-                    args = ", ".join(a.arg for a in node.args.args if a.arg != "self")
-                    turns = [
-                        {"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": f"What does {module}.{qualname}({args}) do?"},
-                        {"role": "assistant", "content": doc},
-                    ]
-                    out.write(json.dumps({"messages": turns}) + "\n")
-                    count += 1
-                    if count == limit:
-                        break
-                if count == limit:
-                    break
-            if count == limit:
-                break
-    os.replace(path + ".tmp", path)
-    return count
 
 
 def padding_per_step(
