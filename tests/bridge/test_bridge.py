@@ -212,6 +212,10 @@ def _import_peak(rank, world, path):
     parallel_state.initialize_model_parallel()
     bridge = AutoBridge.from_hf_pretrained(path)
     model = bridge.to_megatron_provider(load_weights=False).provide()  # initialised: every page touched
+    # A first load also pays one-time costs of the process (a thread pool, an allocator arena: 3 to 8 MiB,
+    # seen on some runs and not others); the second is measured. Tensors this large are mapped and
+    # unmapped by the allocator, so a load that held the whole model would grow by it again.
+    bridge.load_hf_weights([model])
     growth = _peak_during(lambda: bridge.load_hf_weights([model]))
     return growth, sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -233,8 +237,9 @@ def test_import_peak_memory_is_the_shard_plus_one_tensor(tmp_path):
     del weights
     [(growth, shard_bytes)] = run_world(_import_peak, 1, str(tmp_path))
     assert shard_bytes == model_bytes > 8 * largest  # tp 1 pp 1: the shard is the model; 4 MiB its largest
-    # Beyond the shard: a tensor's slice copied out of the file, and that file's pages while mapped.
-    assert growth <= 2 * largest, (growth, shard_bytes, largest)
+    # Beyond the shard: a tensor's slice copied out of the file, that file's pages while mapped, and a
+    # freed copy the C allocator may keep (glibc raises its mmap threshold after freeing a mapped block).
+    assert growth <= 3 * largest, (growth, shard_bytes, largest)
 
 
 def test_a_truncated_weights_file_is_one_line(hf_dirs, tmp_path):
