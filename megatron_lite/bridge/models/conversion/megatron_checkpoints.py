@@ -117,15 +117,20 @@ def export_chunks(bridge, megatron_path: str, saved_config: dict | None):
     return [provider.provide(vp_stage=i if vp else None) for i in range(vp or 1)], provider
 
 
-def _load_legacy_shard(bridge, megatron_path: str, iteration: int) -> list:
-    """This rank's model chunks, filled from its ``model_optim_rng.pt`` (saved at this layout)."""
-    shard = get_checkpoint_name(
+def rank_shard_name(megatron_path: str, iteration: int) -> str:
+    """This rank's ``model_optim_rng.pt`` of a legacy-format checkpoint saved at this world's layout."""
+    return get_checkpoint_name(
         megatron_path,
         iteration,
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_world_size(),
     )
+
+
+def _load_legacy_shard(bridge, megatron_path: str, iteration: int) -> list:
+    """This rank's model chunks, filled from its ``model_optim_rng.pt`` (saved at this layout)."""
+    shard = rank_shard_name(megatron_path, iteration)
     try:
         payload = read_shard(shard, megatron_path, flag="--megatron-path", mmap=True)
     except FileNotFoundError:

@@ -14,16 +14,15 @@ from types import SimpleNamespace
 from megatron_lite.bridge.models.conversion.errors import BridgeError
 from megatron_lite.bridge.models.conversion.megatron_checkpoints import (
     export_chunks,
+    rank_shard_name,
     save_whole,
     saved_layout,
 )
-from megatron_lite.core import parallel_state
 from megatron_lite.peft import LoRA
 from megatron_lite.peft.lora_merge import merge_lora_model
 from megatron_lite.training.checkpointing.agreement import agree
 from megatron_lite.training.checkpointing.hf_directory import is_hf_directory
 from megatron_lite.training.checkpointing.layout import (
-    get_checkpoint_name,
     is_distributed_checkpoint,
     read_shard,
     read_tracker,
@@ -96,13 +95,7 @@ def _load_adapters(chunks, provider, megatron_path: str, iteration: int, lora) -
         except CheckpointError as err:
             raise BridgeError(str(err)) from None
         return
-    shard = get_checkpoint_name(
-        megatron_path,
-        iteration,
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_world_size(),
-    )
+    shard = rank_shard_name(megatron_path, iteration)
     error = None
     try:
         load_adapter_state(chunks, read_shard(shard, megatron_path, flag=FLAG), lora.adapter_key_filter)
