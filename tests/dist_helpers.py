@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import re
@@ -56,6 +57,11 @@ _PRELOAD = [
     "megatron_lite.training.checkpointing",
     "torch.utils.tensorboard",
     "wandb",
+    # The bridge (and transformers with it): checkpoint_conversion.py, the recipes' runner, and jobs that
+    # read a Hugging Face tokenizer or model directory, seconds each to import afresh.
+    "megatron_lite.bridge",
+    "megatron_lite.recipes.runner",
+    "megatron.core",  # the dev extra's oracle, imported by the ranks of the interchange tests
 ]
 
 
@@ -141,6 +147,11 @@ def _script_main(script: str, args: list[str], cwd: str, env: dict, out_path: st
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as the interpreter puts it first
+    # A process the forkserver starts makes "forkserver" its default start method; a fresh interpreter
+    # has the platform's (fork on Linux). Without this, a DataLoader's workers would start a new server
+    # per rank that imports torch again: seconds per job on two cores.
+    multiprocessing.set_start_method(None, force=True)
     code = 1
     try:
         runpy.run_path(script, run_name="__main__")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import functools
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_helpers import run_script
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -44,13 +44,8 @@ def _script_and_flags(command: str) -> tuple[str, list[str], list[str]]:
 
 @functools.cache
 def _help(script: str, sub: tuple[str, ...]) -> str:
-    run = subprocess.run(
-        [sys.executable, str(REPO / script), *sub, "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # Forked from the preloaded server: each script's own process without a fresh import of torch.
+    run = run_script(REPO / script, [*sub, "--help"], REPO, timeout=120)
     assert run.returncode == 0, (script, sub, run.stderr[-500:])
     return run.stdout
 

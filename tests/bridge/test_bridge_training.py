@@ -6,8 +6,6 @@ checkpoint loads in ``transformers`` with megatron_lite's logits."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import torch.nn.functional as F
 import transformers
 from bridge_helpers import relative_error
 from corpus_helpers import make_corpus
-from dist_helpers import REPO, parse_losses, run_pretrain, run_world
+from dist_helpers import REPO, parse_losses, run_pretrain, run_script, run_world
 from safetensors.torch import load_file
 
 CONVERT = str(REPO / "tools" / "checkpoint_conversion.py")
@@ -48,22 +46,20 @@ def llama(tmp_path_factory):
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
     )  # fmt: skip
     transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
-    job = subprocess.run(
+    job = run_script(
+        REPO / "tools" / "preprocess_data.py",
         [
-            sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(docs), "--json-keys",
-            "text", "--output-prefix", str(root / "docs"), "--tokenizer-type", "HuggingFaceTokenizer",
-            "--tokenizer-model", str(model_dir), "--append-eod", "--workers", "1",
+            "--input", str(docs), "--json-keys", "text", "--output-prefix", str(root / "docs"), "--tokenizer-type",
+            "HuggingFaceTokenizer", "--tokenizer-model", str(model_dir), "--append-eod", "--workers", "1",
         ],
-        capture_output=True, text=True,
+        root,
     )  # fmt: skip
     assert job.returncode == 0, job.stderr
     return model_dir, str(root / "docs_text_document")
 
 
 def _run(*args, cwd):
-    return subprocess.run(
-        [sys.executable, CONVERT, *args], capture_output=True, text=True, cwd=cwd, timeout=300
-    )
+    return run_script(CONVERT, list(args), cwd, timeout=300)
 
 
 def _train_args(model_dir, prefix) -> list[str]:

@@ -5,13 +5,11 @@ map onto the config, and each bad input is one line before anything starts."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from corpus_helpers import make_corpus
-from dist_helpers import REPO, loss_lines, parse_losses, run_pretrain
+from dist_helpers import REPO, loss_lines, parse_losses, run_pretrain, run_script
 
 from megatron_lite.core.datasets.indexed_dataset import IndexedDataset
 from megatron_lite.data.loaders import build_train_valid_datasets
@@ -26,15 +24,14 @@ def corpus(tmp_path_factory):
     """``(root, prefix, vocab.json, merges.txt)``: about 300 kB of docstrings, preprocessed once."""
     root = tmp_path_factory.mktemp("real_data")
     docs, vocab, merges = make_corpus(root, max_bytes=300_000, vocab_size=VOCAB)
-    job = subprocess.run(
+    job = run_script(
+        REPO / "tools" / "preprocess_data.py",
         [
-            sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(docs),
-            "--json-keys", "text", "--output-prefix", str(root / "docs"), "--tokenizer-type",
+            "--input", str(docs), "--json-keys", "text", "--output-prefix", str(root / "docs"), "--tokenizer-type",
             "GPT2BPETokenizer", "--vocab-file", str(vocab), "--merge-file", str(merges), "--append-eod",
             "--workers", "1",
         ],
-        capture_output=True,
-        text=True,
+        root,
     )  # fmt: skip
     assert job.returncode == 0, job.stderr
     return root, str(root / "docs_text_document"), str(vocab), str(merges)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import math
 import re
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from dist_helpers import PRETRAIN, SMALL_MODEL, parse_losses, run_pretrain
 
 from megatron_lite.training.arguments import parse_args
+from megatron_lite.training.cli.parser import build_parser
 from megatron_lite.training.cli.ranges import RANGES
 from megatron_lite.training.config import ConfigContainer, ConfigError
 
@@ -68,9 +67,9 @@ NUMERIC_METAVARS = ("N", "X", "GB")
 
 
 def _numeric_flags_of_help() -> list[str]:
-    out = subprocess.run(
-        [sys.executable, PRETRAIN, "--help"], capture_output=True, text=True, timeout=120, check=True
-    ).stdout
+    # The text `pretrain.py --help` prints (its parse goes through build_parser), built here: this runs
+    # at collection, in the fast lane too, where a fresh interpreter would cost seconds.
+    out = build_parser().format_help()
     pattern = rf"^\s+(--[\w-]+) (?:{'|'.join(NUMERIC_METAVARS)})\b"
     return sorted(set(re.findall(pattern, out, flags=re.M)))
 

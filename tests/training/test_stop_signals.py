@@ -59,19 +59,24 @@ def _worker_at(port: int, cwd, inherited: str) -> subprocess.Popen:
     )
 
 
-@pytest.mark.parametrize("inherited", INHERITED)
-def test_a_worker_stuck_at_rendezvous_exits_on_sigterm_and_on_sigint(tmp_path, inherited):
-    stores = [socket.create_server(("127.0.0.1", 0)) for _ in SIGNALS]  # they listen, never answer
-    workers = [_worker_at(store.getsockname()[1], tmp_path, inherited) for store in stores]  # one per signal
+def test_a_worker_stuck_at_rendezvous_exits_on_sigterm_and_on_sigint(tmp_path):
+    """Each stop signal, as started and as a background job with the stop signals blocked: one worker
+    per case, all stuck at once, so the watchdog's grace is waited for once."""
+    cases = [(inherited, sig) for inherited in INHERITED for sig in SIGNALS]
+    stores = [socket.create_server(("127.0.0.1", 0)) for _ in cases]  # they listen, never answer
+    workers = [
+        _worker_at(store.getsockname()[1], tmp_path, inherited)
+        for store, (inherited, _) in zip(stores, cases)
+    ]
+    connections = []
     try:
-        connections = []
         for store in stores:
             store.settimeout(120)
             connections.append(store.accept()[0])  # that worker is in rendezvous now, blocked in C++
         time.sleep(0.5)
         assert all(worker.poll() is None for worker in workers)
         sent = time.monotonic()
-        for worker, sig in zip(workers, SIGNALS):
+        for worker, (_, sig) in zip(workers, cases):
             worker.send_signal(sig)
         codes = [worker.wait(timeout=STOP_GRACE_S + 15) for worker in workers]
         took = time.monotonic() - sent
@@ -81,7 +86,10 @@ def test_a_worker_stuck_at_rendezvous_exits_on_sigterm_and_on_sigint(tmp_path, i
             worker.wait()
         for sock in (*stores, *connections):
             sock.close()
-    assert codes == [128 + sig for sig in SIGNALS], [w.stderr.read() for w in workers]
+    named = {f"{inherited}, {sig.name}": code for (inherited, sig), code in zip(cases, codes)}
+    assert named == {f"{inherited}, {sig.name}": 128 + sig for inherited, sig in cases}, [
+        w.stderr.read() for w in workers
+    ]
     # The store's own timeout is --distributed-timeout-minutes (10): the watchdog ended them.
     assert took < STOP_GRACE_S + 10
 

@@ -7,9 +7,11 @@ import zipfile
 
 import pytest
 import torch.distributed as dist
-from dist_helpers import REPO, SMALL_MODEL, run_pretrain, run_world
+from dist_helpers import REPO, SMALL_MODEL, run_pretrain, run_script, run_world
 from event_files import scalars
 from wandb_offline import read_history
+
+MEMORY_REPORT = REPO / "tools" / "memory_report.py"
 
 pytestmark = pytest.mark.world  # every test here starts processes
 
@@ -247,16 +249,8 @@ def test_cli_run_writes_every_sink(tmp_path, monkeypatch):
         assert any(key.encode() in z.read(name) for name in z.namelist())
 
     # tools/memory_report.py over the same run.
-    import subprocess
-    import sys
-
     png = tmp_path / "memory.png"
-    report = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(tb), "--png", str(png)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    report = run_script(MEMORY_REPORT, [str(tb), "--png", str(png)], tmp_path, timeout=120)
     assert report.returncode == 0, report.stderr
     line = next(ln for ln in report.stdout.splitlines() if ln.startswith("mem-max-activation-gigabytes"))
     assert f"{logged[key][ITERS]:.6g}" in line
@@ -333,16 +327,9 @@ def test_loggers_are_created_lazily_on_the_last_rank_only(tmp_path):
 
 
 def _memory_report(logdir):
-    """tools/memory_report.py over ``logdir``, as a user runs it."""
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools" / "memory_report.py"), str(logdir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    """tools/memory_report.py over ``logdir``, as a user runs it (its own process, forked from the
+    preloaded server)."""
+    return run_script(MEMORY_REPORT, [str(logdir)], logdir, timeout=60)
 
 
 def test_memory_report_tool_names_the_stage_and_headroom(tmp_path):
