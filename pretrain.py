@@ -11,71 +11,21 @@ Without torchrun's environment this script starts its own workers on this machin
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import traceback
-
-
-def _report(message: str) -> None:
-    from megatron_lite.training.launcher import report_error
-
-    report_error(message)
-
-
-def _register_hf_directory_loader() -> None:
-    """``--pretrained-checkpoint`` may name a Hugging Face directory, read through the bridge: imported
-    (with transformers, seconds) only when a run names one."""
-    from megatron_lite.training.checkpointing.hf_directory import register_hf_directory_loader
-
-    def bridge_functions():
-        from megatron_lite.bridge.models.conversion import pretrained_directory
-
-        return pretrained_directory.hf_directory_model, pretrained_directory.load_hf_directory
-
-    register_hf_directory_loader(bridge_functions)
 
 
 def worker_main(argv: list[str]) -> int:
+    from megatron_lite.run_modes.train import register_hf_directory_loader, train_config
     from megatron_lite.training.arguments import parse_args
-    from megatron_lite.training.utils.sig_utils import exit_promptly_on
 
-    _register_hf_directory_loader()
-    config = parse_args(argv)
-    # With --exit-signal-handler, SIGTERM asks the loop to save and exit 0 instead.
-    stop = {signal.SIGINT} if config.train.exit_signal_handler else {signal.SIGINT, signal.SIGTERM}
-    # Each gets a handler that unwinds (KeyboardInterrupt, SystemExit(128 + n)) whatever this process
-    # inherited (SIGINT ignored in a shell's background job), and ends it also while blocked in C++.
-    exit_promptly_on(stop)
-
-    from megatron_lite.core.datasets.utils import DataFileError
-    from megatron_lite.training.checkpointing import CheckpointError
-    from megatron_lite.training.gpt_step import forward_step
-    from megatron_lite.training.memory.postmortem import OutOfMemoryPostMortem
-    from megatron_lite.training.pretrain import pretrain
-    from megatron_lite.training.state import LoggerStartupError
-    from megatron_lite.utils.atomic_io import WriteFailedError
-
-    try:
-        pretrain(config, forward_step)
-    except (CheckpointError, LoggerStartupError, DataFileError) as err:
-        _report(f"pretrain.py: error: {err}")
-        return 2
-    except (OutOfMemoryPostMortem, WriteFailedError) as err:  # a full disk: one line, not a traceback
-        _report(f"pretrain.py: error: {err}")
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except SystemExit as stop:  # SIGTERM without --exit-signal-handler (see sig_utils.raise_exit)
-        return stop.code if isinstance(stop.code, int) else 1
-    except Exception:
-        rank = os.environ.get("RANK", "?")
-        _report(f"pretrain.py: rank {rank} failed:\n{traceback.format_exc().rstrip()}")
-        return 1
-    return 0
+    register_hf_directory_loader()  # before the flags are read: they may name a Hugging Face directory
+    return train_config(parse_args(argv), "pretrain.py")
 
 
 def main(argv: list[str]) -> int:
-    _register_hf_directory_loader()
+    from megatron_lite.run_modes.train import register_hf_directory_loader
+
+    register_hf_directory_loader()
     if "--memory-preflight" in argv:  # a prediction (and dry run): no worker, no file but its JSON
         from megatron_lite.run_modes.preflight import main as preflight
 
