@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast setup lint format clean bench
+.PHONY: demo test test-fast setup lint format clean bench browser
 
 # The venv is rebuilt when the project's dependencies change.
 $(STAMP): pyproject.toml
@@ -36,6 +36,10 @@ bench: $(STAMP)
 	$(PY) bench/pipeline_vs_torch_pipelining.py
 	$(PY) bench/memory_logging_overhead.py
 	$(PY) bench/activation_levers.py
+
+# Debian's chromium, for tools/render_html.py (the memory pages as PNG); needs root, as apt-get does.
+browser:
+	test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

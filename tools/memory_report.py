@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Summarise the memory a run logged to TensorBoard.
 
-    python tools/memory_report.py TENSORBOARD_DIR [--png FILE]
+    python tools/memory_report.py TENSORBOARD_DIR [--png FILE] [--html FILE]
 
 For every memory metric: its peak over the run, which pipeline stage holds it (needs a run with
 --log-memory-per-pp-stage; otherwise the logged value is already the pipeline-wide max and the stage is
@@ -10,6 +10,10 @@ and each quantity the run both measured and predicted (``memory/pp-stage-<i>/pre
 start from theoretical_memory): the measured peak, the prediction and the prediction's error in %.
 With --png, plots each metric over iterations, one line per stage (needs matplotlib:
 pip install 'megatron_lite[plot]').
+With --html, the memory picture (megatron_lite/training/memory/picture/): per stage the predicted
+allocated peak as stacked parts, the measured allocated peak (its maximum over the run) beside it,
+and the device capacity and usable lines where the capacity was logged; one self-contained page
+(render it with tools/render_html.py). Needs a run with --log-memory-per-pp-stage.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron_lite.training.memory.picture.logged import MEASURED_PEAK, PREDICTED_PEAK  # noqa: E402
 from megatron_lite.training.memory.pipeline import HEADLINE_NAMES  # noqa: E402
 
 STAGE_TAG = re.compile(r"^memory/pp-stage-(\d+)/(.+)$")
@@ -146,10 +151,52 @@ def plot(pipeline: dict, stages: dict, path: str) -> None:
     plt.close(fig)
 
 
+def stage_figures(measured: dict, predicted: dict) -> dict[str, dict[int, float]]:
+    """``{name: {stage: GB}}``: each measured quantity's peak over the run, each prediction's latest."""
+    figures = {name: {s: max(v for _, v in ser) for s, ser in per.items()} for name, per in measured.items()}
+    figures.update({name: {s: ser[-1][1] for s, ser in per.items()} for name, per in predicted.items()})
+    return figures
+
+
+def write_html(path: str, logdir: str, measured: dict, predicted: dict, capacity: list) -> None:
+    """The memory picture of the run in ``logdir``."""
+    from megatron_lite.training.memory.picture import MemoryPanel, size_text, write_memory_page
+    from megatron_lite.training.memory.picture.logged import stage_bars_from_logged
+
+    bars = stage_bars_from_logged(stage_figures(measured, predicted))
+    cap = max((v for _, v in capacity), default=None)
+    lines = []
+    for s in bars:
+        if s.parts and s.measured_peak_bytes:
+            error = 100 * (s.predicted_peak_bytes / s.measured_peak_bytes - 1)
+            lines.append(
+                f"stage {s.stage}: measured allocated peak {size_text(s.measured_peak_bytes)}, "
+                f"predicted {size_text(s.predicted_peak_bytes)} ({error:+.1f}%)"
+            )
+    if cap is None:
+        lines.append("device capacity not logged (a CPU run): no capacity line")
+    panel = MemoryPanel(
+        f"memory per pipeline stage of {os.path.basename(os.path.normpath(logdir))}",
+        bars,
+        round(cap * 1e9) if cap is not None else None,
+        lines=tuple(lines),
+    )
+    notes = (
+        f"From the TensorBoard events in {logdir}. Stacked: the predicted allocated peak "
+        "(memory/pp-stage-<i>/predicted-*, logged at start: a prediction, not a measurement); grey: "
+        "mem-max-allocated-gigabytes, the measured allocated peak over the run, temporaries included.",
+    )
+    write_memory_page(path, "Memory per pipeline stage: predicted and measured", [panel], notes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Peak memory per metric and stage from TensorBoard events.")
     parser.add_argument("logdir", help="the run's --tensorboard-dir")
     parser.add_argument("--png", help="write a plot of memory over iterations, one line per stage")
+    parser.add_argument(
+        "--html",
+        help="write the memory picture: per stage the predicted peak's parts beside the measured peak",
+    )
     args = parser.parse_args(argv)
     if not os.path.isdir(args.logdir):
         print(f"memory_report.py: error: {args.logdir} is not a directory", file=sys.stderr)
@@ -163,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     stages, predicted = split_predictions(stages)
+    if args.html and not {MEASURED_PEAK, PREDICTED_PEAK} & (set(stages) | set(predicted)):
+        print(
+            f"memory_report.py: error: --html needs per-stage metrics in {args.logdir}; "
+            "was the run started with --log-memory-per-pp-stage?",
+            file=sys.stderr,
+        )
+        return 2
     print_table(summarize(pipeline, stages, capacity))
     if comparison := compare(stages, predicted):
         print_comparison(comparison)
@@ -176,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         print(f"plot written to {args.png}")
+    if args.html:
+        try:
+            write_html(args.html, args.logdir, stages, predicted, capacity)
+        except OSError as err:  # WriteFailedError: one line, the path and why
+            print(f"memory_report.py: error: {err}", file=sys.stderr)
+            return 2
+        print(f"page written to {args.html}")
     return 0
 
 

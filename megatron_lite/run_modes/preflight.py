@@ -6,7 +6,9 @@ Builds no world and trains nothing: predicts each pipeline stage's weights, grad
 peak activations, the temporaries alive at its peak and so its allocated peak for the layout as given
 (predict/stages.py), prints them beside the device's memory, names the first stage expected to run
 out, and searches the memory levers (levers.py) for the cheapest change that makes every stage fit.
-``--memory-preflight-json FILE`` also writes all of it as JSON (atomically), for CI jobs and notebooks.
+``--memory-preflight-json FILE`` also writes all of it as JSON (atomically), for CI jobs and notebooks;
+``--memory-preflight-html FILE`` draws it (training/memory/picture/: each stage's stacked parts, the dry
+run's measured peak beside them, the device and the reserve) on one self-contained page.
 Exit 0 when it fits, 1 when it does not, 2 on bad input.
 
 A stage fits when its predicted allocated peak leaves ``RESERVE_FRACTION`` of the device free. The peak
@@ -30,7 +32,15 @@ import time
 import warnings
 
 from megatron_lite.run_modes.dry_run import DryRunError, dry_run_stages
-from megatron_lite.run_modes.preflight_json import RESERVE_FRACTION, json_path_arg, preflight_record
+from megatron_lite.run_modes.preflight_json import (
+    RESERVE_FRACTION,
+    json_path_arg,
+    judged_predictions,
+    preflight_record,
+    stage_fits,
+    stage_peaks,
+    usable_gb,
+)
 from megatron_lite.training.arguments import config_from_argv
 from megatron_lite.training.cli.ranges import RANGES, check_value
 from megatron_lite.training.errors import ConfigError
@@ -41,7 +51,13 @@ from megatron_lite.training.memory.table import format_preflight_table
 from megatron_lite.utils.atomic_io import WriteFailedError, atomic_write_bytes
 
 ROUTING_NOTES = {"worst": ", worst routing", "exact": ", rows fixed by the padded capacity"}
-PREFLIGHT_FLAGS = ("--memory-preflight", "--device-memory-gb", "--memory-preflight-json", "--memory-dry-run")
+PREFLIGHT_FLAGS = (
+    "--memory-preflight",
+    "--device-memory-gb",
+    "--memory-preflight-json",
+    "--memory-preflight-html",
+    "--memory-dry-run",
+)
 
 
 def _config(argv: list[str]):
@@ -54,49 +70,25 @@ def _gb(num_bytes: float) -> float:
     return num_bytes / 1e9
 
 
-def _fits(predictions, capacity_gb: float, dry=None) -> list[bool]:
-    """Per stage: whether its peak (the larger of the prediction and the dry run's measurement, when
-    there is one) leaves the reserve free."""
-    return [_gb(peak) <= capacity_gb * (1 - RESERVE_FRACTION) for peak in _peaks(predictions, dry)]
-
-
-def _peaks(predictions, dry=None) -> list[int]:
-    """Per stage: the predicted allocated peak, or with a dry run the larger of it and the measured one."""
-    if not dry:
-        return [p.peak_bytes for p in predictions]
-    return [max(p.peak_bytes, d.max_allocated_bytes) for p, d in zip(predictions, dry)]
-
-
-def _predict(config):
-    """(the predictions the verdict judges, balanced routing's beside them or None): a MoE model whose
-    routed rows are open is judged on its worst routing (predict/moe.py's ``judged_routing``)."""
-    from megatron_lite.training.memory.predict.stages import predict_memory_per_stage
-
-    if judged_routing(config.model) != "worst":
-        return predict_memory_per_stage(config, device_type="cuda"), None
-    worst = predict_memory_per_stage(config, device_type="cuda", routing="worst")
-    return worst, predict_memory_per_stage(config, device_type="cuda", routing="balanced")
-
-
 def _recommend(argv: list[str], config, capacity_gb: float, margin: float = 1.0):
     """The cheapest change that makes every stage fit, with the predictions and the config under it;
     (None, None, None) when no combination of the levers does. ``margin``: how much more than
     predicted the dry run measured (at least 1), which a candidate's predictions must leave room for."""
-    usable = capacity_gb * (1 - RESERVE_FRACTION)
+    usable = usable_gb(capacity_gb)
     for change in candidate_changes(config):
         try:
             candidate = _config([*argv, *change.flags])
         except (ConfigError, ValueError, AssertionError):
             continue
-        after, _ = _predict(candidate)  # a MoE candidate judged as the job is: its worst routing
+        after, _ = judged_predictions(candidate)  # a MoE candidate judged as the job is: its worst routing
         if all(_gb(p.peak_bytes * margin) <= usable for p in after):
             return change, after, candidate
     return None, None, None
 
 
 def _verdict(predictions, capacity_gb: float, dry, out, balanced=None) -> list[bool]:
-    fits, peaks = _fits(predictions, capacity_gb, dry), _peaks(predictions, dry)
-    usable = capacity_gb * (1 - RESERVE_FRACTION)
+    fits, peaks = stage_fits(predictions, capacity_gb, dry), stage_peaks(predictions, dry)
+    usable = usable_gb(capacity_gb)
     which = "predicted or dry run, the larger" if dry else "predicted"
     routing = " under worst routing" if balanced else ""
 
@@ -147,14 +139,19 @@ def _report_change(change, after, candidate, out) -> None:
 
 
 def preflight(
-    argv: list[str], capacity_gb: float, out=sys.stdout, json_path: str | None = None, dry_run: bool = False
+    argv: list[str],
+    capacity_gb: float,
+    out=sys.stdout,
+    json_path: str | None = None,
+    dry_run: bool = False,
+    html_path: str | None = None,
 ) -> int:
     """Print the prediction and verdict for ``argv`` (pretrain.py's flags without the preflight's);
     with ``dry_run``, also each stage's dry run (dry_run/), and confirm the recommended change with
-    one; with ``json_path``, also write them there (atomically)."""
+    one; with ``json_path``, also write them there (atomically); with ``html_path``, the picture."""
     config = _config(argv)
     m = config.model
-    predictions, balanced = _predict(config)
+    predictions, balanced = judged_predictions(config)
     layout = (
         f"tp {m.tensor_model_parallel_size} x pp {m.pipeline_model_parallel_size} x cp "
         f"{m.context_parallel_size} x dp {config.data_parallel_size}, vp "
@@ -167,7 +164,7 @@ def preflight(
     how = "predicted, and measured by the dry run" if dry else "a prediction: no world built, nothing trained"
     print(f" memory preflight ({layout}; {how})", file=out)
     print(format_preflight_table(predictions, capacity_gb, dry, balanced), file=out)
-    usable = capacity_gb * (1 - RESERVE_FRACTION)
+    usable = usable_gb(capacity_gb)
     print(
         f" device: {capacity_gb:g} GB, of which {usable:g} GB for the predicted tensors "
         f"({RESERVE_FRACTION:.0%} kept for the CUDA context, NCCL buffers, the allocator's rounding and fragmentation)",
@@ -197,7 +194,7 @@ def preflight(
             _report_change(change, after, candidate, out)
             if dry_run:  # the lever search's answer, measured
                 measured = dry_run_stages(candidate, "cuda", out, "the job with the change")
-                confirmed = all(_fits(after, capacity_gb, measured))
+                confirmed = all(stage_fits(after, capacity_gb, measured))
                 top = max(measured, key=lambda d: d.max_allocated_bytes)
                 print(
                     f" the dry run {'confirms' if confirmed else 'does NOT confirm'} it: peak "
@@ -211,12 +208,38 @@ def preflight(
         text = (json.dumps(record, indent=2) + "\n").encode()
         atomic_write_bytes(json_path, lambda f: f.write(text), needed=len(text))
         print(f" wrote {json_path}", file=out)
+    if html_path is not None:
+        _write_picture(html_path, layout, predictions, capacity_gb, dry, fits)
+        print(f" wrote {html_path}", file=out)
     return 0 if all(fits) else 1
+
+
+def _write_picture(path: str, layout: str, predictions, capacity_gb: float, dry, fits) -> None:
+    """--memory-preflight-html: one panel, the job's stages (the dry run's measured peak beside each)."""
+    from megatron_lite.training.memory.picture import (
+        MemoryPanel,
+        stage_bars_from_predictions,
+        write_memory_page,
+    )
+
+    verdict = (
+        "fits"
+        if all(fits)
+        else f"does not fit: stages {', '.join(str(i) for i, ok in enumerate(fits) if not ok)}"
+    )
+    panel = MemoryPanel(
+        title=layout,
+        stages=stage_bars_from_predictions(predictions, dry),
+        capacity_bytes=int(capacity_gb * 1e9),
+        reserve_fraction=RESERVE_FRACTION,
+        lines=(f"verdict: {verdict}", "predicted" + (", and measured by the dry run" if dry else "")),
+    )
+    write_memory_page(path, "memory preflight", [panel])
 
 
 def main(argv: list[str]) -> int:
     """pretrain.py's entry for --memory-preflight: bad input is one line and exit 2."""
-    rest, capacity, json_path, dry_run = [], None, None, False
+    rest, capacity, json_path, html_path, dry_run = [], None, None, None, False
     it = iter(argv)
     try:
         for arg in it:
@@ -227,6 +250,10 @@ def main(argv: list[str]) -> int:
                 continue
             if arg == "--memory-preflight-json" or arg.startswith("--memory-preflight-json="):
                 json_path = json_path_arg(arg.split("=", 1)[1] if "=" in arg else next(it, None))
+                continue
+            if arg == "--memory-preflight-html" or arg.startswith("--memory-preflight-html="):
+                value = arg.split("=", 1)[1] if "=" in arg else next(it, None)
+                html_path = json_path_arg(value, "--memory-preflight-html")
                 continue
             if arg == "--device-memory-gb" or arg.startswith("--device-memory-gb="):
                 value = arg.split("=", 1)[1] if "=" in arg else next(it, None)
@@ -246,7 +273,7 @@ def main(argv: list[str]) -> int:
         return 2
     start = time.perf_counter()
     try:
-        code = preflight(rest, capacity, json_path=json_path, dry_run=dry_run)
+        code = preflight(rest, capacity, json_path=json_path, dry_run=dry_run, html_path=html_path)
     except ConfigError as err:
         print(f"pretrain.py: error: {err}", file=sys.stderr)
         return 2

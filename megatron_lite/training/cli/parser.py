@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Also write the preflight's per-stage bytes, verdict and recommendation to FILE (JSON).",
     )
     preflight.add_argument(
+        "--memory-preflight-html",
+        metavar="FILE",
+        help="Also draw the preflight on a self-contained HTML page: each stage's stacked parts, the dry run's "
+        "peak beside them, the device line.",
+    )
+    preflight.add_argument(
         "--memory-dry-run",
         action="store_true",
         help="Preflight: also run each stage's real code once at full size on fake tensors and show its "
@@ -170,7 +176,12 @@ def config_from_args(args: argparse.Namespace) -> ConfigContainer:
     config.profiling = _profiling_from_args(args)
     if args.memory_dry_run:
         raise ConfigError("--memory-dry-run", "is part of the preflight: give it with --memory-preflight")
-    if args.memory_preflight or args.device_memory_gb is not None or args.memory_preflight_json is not None:
+    if (
+        args.memory_preflight
+        or args.device_memory_gb is not None
+        or args.memory_preflight_json is not None
+        or args.memory_preflight_html is not None
+    ):
         raise ConfigError(
             "--memory-preflight", "is a mode of pretrain.py: give it with --device-memory-gb GB"
         )

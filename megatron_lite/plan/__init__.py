@@ -1,0 +1,1 @@
+"""``python -m megatron_lite.plan``: the layout planner (megatron_lite/run_modes/plan/)."""
