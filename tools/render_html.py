@@ -29,7 +29,6 @@ CHROMIUM = "/usr/bin/chromium"
 PROG = "render_html.py"
 FLAGS = (
     "--headless",
-    "--no-sandbox",
     "--disable-gpu",
     "--disable-quic",
     "--no-first-run",
@@ -37,12 +36,18 @@ FLAGS = (
     "--disable-component-update",
     "--disable-sync",
     "--hide-scrollbars",  # a scrollbar would narrow the layout: measure and shoot at the full width
+    "--proxy-server=127.0.0.1:9",  # nothing a page names is fetched: offline by construction
+    # Chromium's sandbox cannot start as root; as any other user it stays on.
+    *(("--no-sandbox",) if hasattr(os, "geteuid") and os.geteuid() == 0 else ()),
 )
+# Chromium renders a copy of the page whose policy runs none of its scripts and fetches nothing: only
+# the measuring line, by its nonce, and the page's inline styles and data: images.
+POLICY = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; font-src data:; script-src {scripts}"
+HEAD = re.compile(r"<head\b[^>]*>", re.IGNORECASE)
+DOCTYPE = re.compile(r"^\s*<!doctype[^>]*>", re.IGNORECASE)
 FALLBACK_HEIGHT = 2400  # px, when the page's height cannot be measured
 # Appended to the measuring copy: the document's height as an attribute --dump-dom prints.
-MEASURE = (
-    '<script>document.body.setAttribute("data-render-height", document.documentElement.scrollHeight)</script>'
-)
+MEASURE = '<script nonce="render">document.body.setAttribute("data-render-height", document.documentElement.scrollHeight)</script>'
 
 
 def chromium_command(page: str, out: str, width: int, height: int, profile: str) -> list[str]:
@@ -75,12 +80,25 @@ def _run(command: list[str], timeout: float) -> tuple[int, str]:
     return process.returncode, stdout
 
 
+def policed_copy(page: str, copy: str, scripts: str = "'none'", tail: str = "") -> str:
+    """Write ``page`` to ``copy`` with the policy in its head (``scripts``: what may run) and ``tail``
+    before ``</body>``; returns ``copy``."""
+    text = Path(page).read_text(encoding="utf-8", errors="replace")
+    meta = f'<meta http-equiv="Content-Security-Policy" content="{POLICY.format(scripts=scripts)}">'
+    if head := HEAD.search(text):
+        text = text[: head.end()] + meta + text[head.end() :]
+    else:
+        at = doctype.end() if (doctype := DOCTYPE.match(text)) else 0
+        text = text[:at] + f"<head>{meta}</head>" + text[at:]
+    at = text.rfind("</body>")
+    text = text[:at] + tail + text[at:] if at >= 0 else text + tail
+    Path(copy).write_text(text, encoding="utf-8")
+    return copy
+
+
 def measure_height(page: str, width: int, timeout: float, workdir: str) -> int | None:
     """The page's height in px when laid out ``width`` px wide, or None when it cannot be read."""
-    text = Path(page).read_text(encoding="utf-8", errors="replace")
-    copy = os.path.join(workdir, "measure.html")
-    at = text.rfind("</body>")
-    Path(copy).write_text(text[:at] + MEASURE + text[at:] if at >= 0 else text + MEASURE, encoding="utf-8")
+    copy = policed_copy(page, os.path.join(workdir, "measure.html"), "'nonce-render'", MEASURE)
     profile = os.path.join(workdir, "measure-profile")
     command = [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},600", "--dump-dom"]
     _, dom = _run([*command, Path(copy).as_uri()], timeout)
@@ -107,11 +125,18 @@ def render(page: str, out: str, width: int, height: int | None, timeout: float) 
         if height is None:
             height = measure_height(page, width, timeout, workdir) or FALLBACK_HEIGHT
         profile = os.path.join(workdir, "profile")
-        _run(chromium_command(page, out, width, height, profile), timeout)
+        shot = os.path.join(workdir, "shot.png")
+        shown = policed_copy(page, os.path.join(workdir, "page.html"))
+        _run(chromium_command(shown, shot, width, height, profile), timeout)
+        if not os.path.isfile(shot):
+            raise RuntimeError(f"chromium wrote no {out}")
+        quantize(shot)
+        # Into place in one step: a failed render leaves the previous PNG intact.
+        tmp = f"{out}.tmp{os.getpid()}"
+        shutil.copyfile(shot, tmp)
+        os.replace(tmp, out)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    if not os.path.isfile(out):
-        raise RuntimeError(f"chromium wrote no {out}")
     return height
 
 
@@ -143,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    quantize(out)
     print(f"rendered {args.page} to {args.out} ({args.width} x {height} px)")
     return 0
 

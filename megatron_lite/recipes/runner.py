@@ -26,6 +26,7 @@ from megatron_lite.recipes.registry import get_recipe
 from megatron_lite.training.config import ConfigContainer, runtime_config_update
 from megatron_lite.training.config.base import load_yaml_mapping
 from megatron_lite.training.errors import ConfigError
+from megatron_lite.utils.atomic_io import WriteFailedError
 
 PROG = "run_recipe.py"
 
@@ -214,8 +215,11 @@ def main(argv: list[str], script: str) -> int:
         return 0
     path = config_output_path(config)
     if rank0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        config.to_yaml(path)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            config.to_yaml(path)
+        except (OSError, WriteFailedError) as err:  # an unwritable output directory: one line, no worker
+            return _fail(ConfigError("run_config.yaml", f"cannot write {path}: {err}"))
         print(f" resolved config: {path}", flush=True)
     if under_torchrun:
         from megatron_lite.run_modes.train import train_config

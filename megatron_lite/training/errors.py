@@ -18,6 +18,10 @@ class ConfigError(ValueError, AssertionError):
         self.flag = flag
 
 
+class ConfigTypeError(ConfigError, TypeError):
+    """Bad user input of the wrong type, where upstream raises TypeError."""
+
+
 class MissingPackageError(ConfigError, ModuleNotFoundError):
     """A logger is configured whose package is not installed (upstream raises ModuleNotFoundError)."""
 

@@ -105,3 +105,19 @@ def test_every_recipe_round_trips_through_yaml(tmp_path, name):
     path = str(tmp_path / "r.yaml")
     cfg.to_yaml(path)
     assert ConfigContainer.from_yaml(path).to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("value", [5, None, "x"])
+def test_a_section_written_as_a_scalar_is_one_line_naming_it(value):
+    config = ConfigContainer().to_dict()
+    config["train"] = value
+    with pytest.raises(ConfigError, match=r"^train: must be a TrainingConfig section"):
+        ConfigContainer.from_dict(config)
+
+
+def test_a_config_naming_a_code_loading_environment_variable_is_refused(tmp_path):
+    path = tmp_path / "run_config.yaml"
+    path.write_text("env_vars:\n  CUDA_INJECTION64_PATH: /tmp/x.so\n")
+    config = ConfigContainer.from_yaml(str(path))  # data: read, nothing set
+    with pytest.raises(ConfigError, match=r"^env_vars\.CUDA_INJECTION64_PATH: makes a process load code"):
+        config.validate()

@@ -146,3 +146,41 @@ def test_an_unknown_flag_is_one_line_exit_2(capsys):
         main(["--recipe", "llama3_8b_pretrain_config", "--tp", "2"], "run_recipe.py")
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("run_recipe.py: error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("+env_vars.FOO=[1, 2]", "env_vars.FOO: must have a scalar value"),
+        ("+env_vars.LD_PRELOAD=/tmp/x.so", "env_vars.LD_PRELOAD: makes a process load code"),
+        ("+env_vars.NCCL_NET_PLUGIN=x", "env_vars.NCCL_NET_PLUGIN: makes a process load code"),
+    ],
+)
+def test_environment_variables_a_config_cannot_hold_are_one_line_and_none_is_set(
+    tmp_path, monkeypatch, capsys, override, said
+):
+    monkeypatch.chdir(tmp_path)
+    before = dict(os.environ)
+    argv = [
+        "--recipe",
+        "llama3_8b_pretrain_config",
+        "--dry-run",
+        "env_vars={}",
+        "+env_vars.ML_TEST_OK=1",
+        override,
+    ]
+    assert _quiet(main, argv, "run_recipe.py") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run_recipe.py: error: ") and said in err and err.count("\n") == 1, err
+    assert dict(os.environ) == before and os.listdir(tmp_path) == []
+
+
+def test_an_output_directory_that_cannot_be_made_is_one_line_before_any_worker(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    save = tmp_path / "a_file" / "checkpoints"  # under a file: cannot be made
+    argv = ["--recipe", "gpt2_small_pretrain_cpu_config", *TINY, "--save_dir", str(save)]
+    assert _quiet(main, argv, "run_recipe.py") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run_recipe.py: error: run_config.yaml: cannot write ") and err.count("\n") == 1, (
+        err
+    )

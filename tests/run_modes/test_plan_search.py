@@ -16,6 +16,7 @@ from megatron_lite.run_modes.plan.layouts import (
     apply_layout,
     layout_flags,
     layout_of,
+    layout_overrides,
     without_layout_flags,
 )
 from megatron_lite.run_modes.plan.search import predict_candidate, search, steady_microbatches
@@ -188,3 +189,11 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert len(lines) == 1 and lines[0].startswith("python -m megatron_lite.plan: error: "), lines
     assert message in lines[0], lines
     assert captured.out == ""
+
+
+def test_recipe_overrides_clear_a_recompute_method_the_layout_does_not_use():
+    """apply_layout clears the method and count; the printed overrides must too, or a job that had
+    full recompute gets a method without it, which the validation refuses."""
+    plain = Layout(tp=2, pp=1, vp=1, cp=1, dp=1, sp=True)
+    overrides = layout_overrides(plain)
+    assert "model.recompute_method=null" in overrides and "model.recompute_num_layers=null" in overrides

@@ -232,5 +232,7 @@ def layout_overrides(layout: Layout, moe: bool = False) -> list[str]:
     ]
     if layout.recompute == "full":
         overrides += ["model.recompute_method=block", f"model.recompute_num_layers={layout.recompute_layers}"]
+    else:  # as apply_layout clears them: a method the job had would be refused without full recompute
+        overrides += ["model.recompute_method=null", "model.recompute_num_layers=null"]
     overrides.append(f"model.cross_entropy_loss_fusion={str(layout.fused_loss).lower()}")
     return overrides

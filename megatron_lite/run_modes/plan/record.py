@@ -85,7 +85,11 @@ def write_html(path: str, plan, title: str) -> None:
     capacity = int(plan.capacity_gb * 1e9)
     panels = []
     for i, c in enumerate(plan.listed):
-        lines = (c.layout.levers(), describe_figures(c.figures), " ".join(layout_flags(c.layout, plan.gpus)))
+        lines = (
+            c.layout.levers(),
+            describe_figures(c.figures),
+            " ".join(layout_flags(c.layout, plan.gpus, bool(c.config.model.num_moe_experts))),
+        )
         bars = stage_bars_from_predictions(c.predictions, c.dry)
         panels.append(MemoryPanel(f"#{i + 1} {c.layout.sizes()}", bars, capacity, RESERVE_FRACTION, lines))
     given = plan.given

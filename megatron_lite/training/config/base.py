@@ -21,6 +21,8 @@ import copy
 import functools
 import importlib
 import inspect
+import types
+import typing
 from dataclasses import fields, is_dataclass
 from typing import Any, TypeVar
 
@@ -188,6 +190,28 @@ def _from_plain(value: Any, strict: bool, key: str = "") -> Any:
         raise ConfigError(key or target.__qualname__, f"cannot build {target.__qualname__}: {err}") from None
 
 
+def _check_section_types(container: Any) -> None:
+    """Each section is of its declared class (a file may write ``train: 5``): ConfigError naming it."""
+    try:
+        hints = typing.get_type_hints(type(container))
+    except (NameError, TypeError):  # an annotation this interpreter cannot resolve: nothing to check
+        return
+    for f in fields(container):
+        declared = hints.get(f.name)
+        options = (
+            typing.get_args(declared)
+            if typing.get_origin(declared) in (typing.Union, types.UnionType)
+            else (declared,)
+        )
+        classes = tuple(t for t in options if isinstance(t, type))
+        if len(classes) != len(options) or not any(is_dataclass(t) for t in classes):
+            continue  # not a section (a scalar, a dict, or an annotation not made of classes)
+        value = getattr(container, f.name)
+        if not isinstance(value, classes):
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in classes)
+            raise ConfigError(f.name, f"must be a {names} section, got {type(value).__name__}")
+
+
 class _ConfigContainerBase:
     """Serialisation shared by config containers: to_dict / from_dict / to_yaml / from_yaml."""
 
@@ -210,6 +234,7 @@ class _ConfigContainerBase:
         built = _from_plain(config_dict, strict)
         if not isinstance(built, cls):
             raise ConfigError("_target_", f"{config_dict['_target_']!r} is not a {cls.__name__}")
+        _check_section_types(built)
         return built
 
     def to_yaml(self, yaml_path: str) -> None:

@@ -12,6 +12,7 @@ any collective, and in the launcher before any worker starts; every failure is a
 from __future__ import annotations
 
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field, fields
@@ -42,7 +43,7 @@ from megatron_lite.training.config.training import (
 )
 from megatron_lite.training.config.validate import run_checks
 from megatron_lite.training.config.validate.data import resolve_vocab_size
-from megatron_lite.training.errors import ConfigError, require
+from megatron_lite.training.errors import ConfigError, ConfigTypeError, require
 from megatron_lite.training.tokenizers.config import TokenizerConfig
 
 __all__ = ["ConfigContainer", "apply_environment_variables", "runtime_config_update"]
@@ -154,6 +155,7 @@ class ConfigContainer(_ConfigContainerBase):
     def validate(self) -> None:
         """Finalize every section, derive values, and raise ConfigError for the first problem."""
         check_config_ranges(self, early=True)  # before anything divides by a size or derives from a rate
+        check_environment_variables(self.env_vars)
         for section in (self.dataset, self.ddp, self.optimizer, self.model):
             if hasattr(section, "finalize"):
                 section.finalize()
@@ -239,15 +241,36 @@ class ConfigContainer(_ConfigContainerBase):
         derive_scheduler_steps(self.train, self.scheduler)
 
 
-def apply_environment_variables(cfg: ConfigContainer) -> None:
-    """Set ``cfg.env_vars`` in this process's environment, keeping values already set there."""
-    for name, value in cfg.env_vars.items():
+# Variables through which a process loads code it was not given: the dynamic loader's, Python's, a
+# CUDA injection library, NCCL's plugins. A config file is data and must not name them (nothing read
+# from disk may execute code); set them in the launcher's environment where that is meant.
+_CODE_LOADING_ENV = re.compile(r"^(LD_|DYLD_|PYTHON|CUDA_INJECTION|BASH_ENV$|ENV$|PATH$)|_PLUGIN(_|$)")
+
+
+def check_environment_variables(env_vars: dict) -> None:
+    """``env_vars`` as a config may hold them: non-empty names, scalar values (ConfigTypeError, a
+    TypeError as upstream's), and no variable through which a process loads code."""
+    for name, value in env_vars.items():
         if not isinstance(name, str) or not name:
             raise ConfigError("env_vars", "Environment variable names must be non-empty strings.")
         if not isinstance(value, (str, int, float, bool)):
-            raise TypeError(
-                f"Environment variable {name!r} must have a scalar value, got {type(value).__name__}."
+            raise ConfigTypeError(
+                f"env_vars.{name}",
+                f"must have a scalar value (str, int, float, bool), got {type(value).__name__}",
             )
+        if _CODE_LOADING_ENV.search(name):
+            raise ConfigError(
+                f"env_vars.{name}",
+                "makes a process load code (the loader's, Python's, CUDA's or NCCL's plugin variables); "
+                "a config may not set it: set it in the launcher's environment",
+            )
+
+
+def apply_environment_variables(cfg: ConfigContainer) -> None:
+    """Set ``cfg.env_vars`` in this process's environment, keeping values already set there; all are
+    checked first, so a bad one sets none."""
+    check_environment_variables(cfg.env_vars)
+    for name, value in cfg.env_vars.items():
         os.environ.setdefault(name, str(value))
 
 

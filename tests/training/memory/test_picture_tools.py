@@ -4,6 +4,7 @@ names a real run logs, written here with TensorBoard's writer), and tools/render
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 import pytest
@@ -104,8 +105,14 @@ def test_render_html_refuses_a_missing_page(tmp_path, capsys):
 def test_render_html_runs_chromium_headless_offline_with_a_fresh_profile(tmp_path):
     command = render_html.chromium_command("page.html", "out.png", 1280, 900, str(tmp_path))
     assert command[0] == render_html.CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-background-networking", "--disable-sync"):
+    for flag in (
+        "--headless",
+        "--disable-background-networking",
+        "--disable-sync",
+        "--proxy-server=127.0.0.1:9",
+    ):
         assert flag in command
+    assert ("--no-sandbox" in command) == (os.geteuid() == 0)  # the sandbox stays on where it can start
     assert f"--user-data-dir={tmp_path}" in command and "--window-size=1280,900" in command
     assert command[-1].startswith("file:///") and command[-1].endswith("/page.html")
 
