@@ -30,7 +30,7 @@ from megatron_lite.training.config import (
 )
 
 
-def _output_dirs() -> tuple[str, str]:
+def default_output_dirs() -> tuple[str, str]:
     """(checkpoint dir, tensorboard dir) under ./nemo_experiments/default, upstream's defaults."""
     run_output_dir = os.path.join(os.getcwd(), "nemo_experiments", "default")
     return os.path.join(run_output_dir, "checkpoints"), os.path.join(run_output_dir, "tb_logs")
@@ -39,7 +39,7 @@ def _output_dirs() -> tuple[str, str]:
 def _pretrain_common() -> ConfigContainer:
     """Pretraining defaults for any language model: mock data (``dataset.blend`` None), distributed
     Adam with cosine decay (3e-4 to 3e-5, 500 warmup iterations), bf16 mixed precision."""
-    checkpoint_dir, tensorboard_dir = _output_dirs()
+    checkpoint_dir, tensorboard_dir = default_output_dirs()
     optimizer, scheduler = distributed_fused_adam_with_cosine_annealing(
         lr_warmup_iters=500, lr_decay_iters=None, max_lr=3e-4, min_lr=3e-5
     )
@@ -91,7 +91,7 @@ def _sft_dataset(seq_length: int):
 
 
 def _finetune_common(max_lr: float, peft: LoRA | None) -> ConfigContainer:
-    checkpoint_dir, tensorboard_dir = _output_dirs()
+    checkpoint_dir, tensorboard_dir = default_output_dirs()
     optimizer, scheduler = distributed_fused_adam_with_cosine_annealing(
         lr_warmup_iters=50, lr_decay_iters=None, max_lr=max_lr, min_lr=0.0, adam_beta2=0.98
     )

@@ -12,10 +12,9 @@ so it stays None.
 
 from __future__ import annotations
 
-import os
-
 from megatron_lite.recipes.architectures import model_config
 from megatron_lite.recipes.architectures.mixtral import MIXTRAL_8X7B
+from megatron_lite.recipes.common import default_output_dirs
 from megatron_lite.recipes.utils.optimizer_utils import distributed_fused_adam_with_cosine_annealing
 from megatron_lite.recipes.utils.tokenizer_utils import DEFAULT_NULL_TOKENIZER_VOCAB_SIZE
 from megatron_lite.training.config import (
@@ -38,7 +37,7 @@ def mixtral_8x7b_pretrain_config(use_null_tokenizer: bool = False, seq_length: i
     """Mixtral 8x7B pretraining: tp 2, ep 4, sequence parallel, selective recomputation, seq 4096,
     GBS 32 of MBS 2, mock data. The tokenizer is upstream's Hugging Face one (``tokenizer_model`` must
     name a local directory here) unless ``use_null_tokenizer``."""
-    run_output_dir = os.path.join(os.getcwd(), "nemo_experiments", "default")
+    checkpoint_dir, tensorboard_dir = default_output_dirs()
     model = model_config(MIXTRAL_8X7B)
     model.tensor_model_parallel_size, model.pipeline_model_parallel_size = 2, 1
     model.pipeline_dtype, model.virtual_pipeline_model_parallel_size = None, None
@@ -79,7 +78,7 @@ def mixtral_8x7b_pretrain_config(use_null_tokenizer: bool = False, seq_length: i
         ),
         logger=LoggerConfig(
             log_interval=10,
-            tensorboard_dir=os.path.join(run_output_dir, "tb_logs"),
+            tensorboard_dir=tensorboard_dir,
             log_timers_to_tensorboard=True,
         ),
         tokenizer=TokenizerConfig(
@@ -92,8 +91,8 @@ def mixtral_8x7b_pretrain_config(use_null_tokenizer: bool = False, seq_length: i
         ),
         checkpoint=CheckpointConfig(
             save_interval=500,
-            save=os.path.join(run_output_dir, "checkpoints"),
-            load=os.path.join(run_output_dir, "checkpoints"),
+            save=checkpoint_dir,
+            load=checkpoint_dir,
             ckpt_format="torch_dist",
         ),
         rng=RNGConfig(seed=1234),

@@ -6,10 +6,9 @@ units), one process, 256-token rows so that an iteration takes seconds, nanoGPT'
 
 from __future__ import annotations
 
-import os
-
 from megatron_lite.recipes.architectures import model_config
 from megatron_lite.recipes.architectures.gpt2 import GPT2_SMALL
+from megatron_lite.recipes.common import default_output_dirs
 from megatron_lite.recipes.utils.optimizer_utils import distributed_fused_adam_with_cosine_annealing
 from megatron_lite.training.config import (
     CheckpointConfig,
@@ -26,7 +25,7 @@ from megatron_lite.training.config import (
 
 def gpt2_124m_pretrain_1cpu_fp32_config() -> ConfigContainer:
     """GPT-2 small on one CPU process: seq 256, GBS 8 of MBS 4, 2000 iterations, fp32, mock data."""
-    run_output_dir = os.path.join(os.getcwd(), "nemo_experiments", "default")
+    checkpoint_dir, tensorboard_dir = default_output_dirs()
     optimizer, scheduler = distributed_fused_adam_with_cosine_annealing(
         precision="32", lr_warmup_iters=100, lr_decay_iters=None, max_lr=6e-4, min_lr=6e-5
     )
@@ -49,10 +48,10 @@ def gpt2_124m_pretrain_1cpu_fp32_config() -> ConfigContainer:
             reset_attention_mask=False,
             eod_mask_loss=False,
         ),
-        logger=LoggerConfig(log_interval=10, tensorboard_dir=os.path.join(run_output_dir, "tb_logs")),
+        logger=LoggerConfig(log_interval=10, tensorboard_dir=tensorboard_dir),
         # GPT-2's 50257 tokens: 50256 ids and the end-of-document id, as GPT-2's own tokenizer.
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=GPT2_SMALL["vocab_size"] - 1),
-        checkpoint=CheckpointConfig(save_interval=500, save=os.path.join(run_output_dir, "checkpoints")),
+        checkpoint=CheckpointConfig(save_interval=500, save=checkpoint_dir),
         rng=RNGConfig(seed=1234),
         mixed_precision=None,  # fp32
     )

@@ -7,9 +7,8 @@ from are set here (seq_length 1024, vocab_size None, the masked-softmax and loss
 
 from __future__ import annotations
 
-import os
-
 from megatron_lite.models.gpt_provider import GPTModelProvider
+from megatron_lite.recipes.common import default_output_dirs
 from megatron_lite.recipes.utils.environment_utils import COMMON_RECIPE_ENV_VARS
 from megatron_lite.recipes.utils.optimizer_utils import distributed_fused_adam_with_cosine_annealing
 from megatron_lite.recipes.utils.tokenizer_utils import DEFAULT_NULL_TOKENIZER_VOCAB_SIZE
@@ -29,7 +28,7 @@ from megatron_lite.training.config import (
 
 def vanilla_gpt_pretrain_1gpu_h100_bf16_config() -> ConfigContainer:
     """A plain GPT on one GPU: seq 1024, GBS 32 of MBS 2, no distributed optimizer, mock data."""
-    run_output_dir = os.path.join(os.getcwd(), "nemo_experiments", "default")
+    checkpoint_dir, tensorboard_dir = default_output_dirs()
     optimizer, scheduler = distributed_fused_adam_with_cosine_annealing(
         lr_warmup_iters=500, lr_decay_iters=None, max_lr=3e-4, min_lr=3e-5
     )
@@ -64,13 +63,11 @@ def vanilla_gpt_pretrain_1gpu_h100_bf16_config() -> ConfigContainer:
             reset_attention_mask=False,
             eod_mask_loss=False,
         ),
-        logger=LoggerConfig(log_interval=10, tensorboard_dir=os.path.join(run_output_dir, "tb_logs")),
+        logger=LoggerConfig(log_interval=10, tensorboard_dir=tensorboard_dir),
         tokenizer=TokenizerConfig(
             tokenizer_type="NullTokenizer", vocab_size=DEFAULT_NULL_TOKENIZER_VOCAB_SIZE
         ),
-        checkpoint=CheckpointConfig(
-            save_interval=500, save=os.path.join(run_output_dir, "checkpoints"), ckpt_format="torch_dist"
-        ),
+        checkpoint=CheckpointConfig(save_interval=500, save=checkpoint_dir, ckpt_format="torch_dist"),
         rng=RNGConfig(seed=1234),
         dist=DistributedInitConfig(),
         mixed_precision="bf16_mixed",
